@@ -1,0 +1,164 @@
+"""Flags that govern fusion and tuning.
+
+Read and set them as module attributes (`infini_dist.config.max_fusion_depth = 2`); every value
+is validated when set. `INFINI_DIST_<NAME>` in the environment sets the starting value, and
+`config.patch(**flags)` changes flags for the length of a `with` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from dataclasses import dataclass
+
+FUSION_TYPES = ("epilogue", "prologue", "cross_subgraph")
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _nonneg_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _positive_float(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _threshold(name, value):
+    value = _positive_float(name, value)
+    if value < 1.0:
+        raise ValueError(f"{name} is a speed-up ratio and must be >= 1.0, got {value!r}")
+    return value
+
+
+def _fusion_types(name, value):
+    if isinstance(value, str):
+        value = (value,)
+    value = tuple(value)
+    unknown = [v for v in value if v not in FUSION_TYPES]
+    if unknown:
+        raise ValueError(f"{name}: unknown fusion types {unknown}; choose from {FUSION_TYPES}")
+    return tuple(t for t in FUSION_TYPES if t in value)  # canonical order, no duplicates
+
+
+def _path(name, value):
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{name} must be a path, got {value!r}")
+    return str(value)
+
+
+# name -> (default, validator)
+FLAGS = {
+    "enable_custom_op_fusion": (True, _bool),
+    "custom_op_fusion_types": (FUSION_TYPES, _fusion_types),
+    "enable_recursive_fusion": (True, _bool),
+    "max_fusion_depth": (3, _nonneg_int),
+    "fusion_speedup_threshold": (1.0, _threshold),
+    "max_autotune_threads": (4, _positive_int),
+    "benchmark_warmup": (3, _nonneg_int),
+    "benchmark_reps": (10, _positive_int),
+    "tuning_timeout_s": (300.0, _positive_float),
+    "cache_dir": ("~/.cache/infini_dist", _path),
+    "enable_disk_cache": (True, _bool),
+    "debug_mode": (False, _bool),
+}
+
+
+def parse_env(name: str, text: str):
+    """Turn INFINI_DIST_<NAME>'s text into a valid value for the flag, or raise."""
+    default, validate = FLAGS[name]
+    text = text.strip()
+    if isinstance(default, bool):
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"INFINI_DIST_{name.upper()}={text!r} is not a boolean")
+    try:
+        if isinstance(default, int):
+            return validate(name, int(text))
+        if isinstance(default, float):
+            return validate(name, float(text))
+    except ValueError as error:
+        raise ValueError(f"INFINI_DIST_{name.upper()}={text!r}: {error}") from None
+    if isinstance(default, tuple):
+        return validate(name, tuple(p.strip() for p in text.split(",") if p.strip()))
+    return validate(name, text)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """An immutable snapshot of the flags, taken where a decision depends on them."""
+    enable_custom_op_fusion: bool
+    custom_op_fusion_types: tuple
+    enable_recursive_fusion: bool
+    max_fusion_depth: int
+    fusion_speedup_threshold: float
+    max_autotune_threads: int
+    benchmark_warmup: int
+    benchmark_reps: int
+    tuning_timeout_s: float
+    cache_dir: str
+    enable_disk_cache: bool
+    debug_mode: bool
+
+    def decision_fields(self) -> dict:
+        """The flags that change which choice is committed, hence part of the cache key."""
+        return {"fusion": self.enable_custom_op_fusion, "types": self.custom_op_fusion_types,
+                "recursive": self.enable_recursive_fusion, "depth": self.max_fusion_depth,
+                "threshold": self.fusion_speedup_threshold}
+
+
+class _ConfigModule(types.ModuleType):
+    def __setattr__(self, name, value):
+        if name in FLAGS:
+            value = FLAGS[name][1](name, value)
+        elif not name.startswith("_") and name not in self.__dict__:
+            raise AttributeError(f"infini_dist.config has no flag {name!r}; flags: "
+                                 f"{', '.join(FLAGS)}")
+        super().__setattr__(name, value)
+
+    @contextlib.contextmanager
+    def patch(self, **flags):
+        unknown = [k for k in flags if k not in FLAGS]
+        if unknown:
+            raise AttributeError(f"infini_dist.config has no flag(s) {unknown}")
+        saved = {k: getattr(self, k) for k in flags}
+        try:
+            for key, value in flags.items():
+                setattr(self, key, value)
+            yield self
+        finally:
+            for key, value in saved.items():
+                super().__setattr__(key, value)
+
+    def snapshot(self) -> Settings:
+        return Settings(**{k: getattr(self, k) for k in FLAGS})
+
+    def reset(self) -> None:
+        """Back to defaults, then environment overrides."""
+        for key, (default, validate) in FLAGS.items():
+            env = os.environ.get(f"INFINI_DIST_{key.upper()}")
+            value = parse_env(key, env) if env is not None else validate(key, default)
+            super().__setattr__(key, value)
+
+
+sys.modules[__name__].__class__ = _ConfigModule
+sys.modules[__name__].reset()

@@ -1,0 +1,1 @@
+"""The seed scheduler API."""

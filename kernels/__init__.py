@@ -1,0 +1,1 @@
+"""Triton and ninetoothed kernels."""

@@ -1,0 +1,1 @@
+"""torchrun entry points and the infini-dist CLI."""

@@ -1,0 +1,246 @@
+"""Choices for a site, and their recursive generation.
+
+A *choice* computes a whole site region (prologue + anchors + epilogue) from the region's external
+inputs. It is a list of steps: single nodes run unfused through their torch reference, and at most
+one *fused span* that an `Algorithm` compiles. Every choice of a site yields the same values, so
+they can be timed against each other and checked against the unfused baseline.
+
+Backends plug in by `register_algorithm(op_type, device_type, algorithm)`; the generator asks each
+algorithm which spans it supports and builds one choice per supported (prologue, epilogue) depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, live_outputs
+
+
+class TensorMeta(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    contiguous: bool
+
+    @classmethod
+    def of(cls, value) -> "TensorMeta":
+        return cls(tuple(value.shape), value.dtype, value.device, value.is_contiguous())
+
+
+@dataclass(frozen=True)
+class RunContext:
+    group: object  # the data-plane ProcessGroup (None means WORLD)
+    world_size: int
+    rank: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class FusedSpan:
+    """The nodes one algorithm runs as a unit, with the values it reads and must produce."""
+    graph: SubGraph
+    prologue: tuple[int, ...]
+    anchors: tuple[int, ...]
+    epilogue: tuple[int, ...]
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(sorted(self.prologue + self.anchors + self.epilogue))
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return external_inputs(self.graph, self.indices)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return live_outputs(self.graph, self.indices)
+
+    def nodes(self, indices):
+        return [self.graph.nodes[i] for i in indices]
+
+
+Runner = Callable[[dict], dict]
+
+
+class Algorithm:
+    """One way to run an anchor, optionally with neighbours fused. Subclass and register.
+
+    `supports` must be a pure function of its arguments: every rank must answer the same, or the
+    ranks would disagree on the choice set (which the engine detects and reports).
+    """
+    name: str = "algorithm"
+
+    def supports(self, span: FusedSpan, meta: dict[str, TensorMeta], ctx: RunContext) -> bool:
+        raise NotImplementedError
+
+    def compile(self, span: FusedSpan, meta: dict[str, TensorMeta], ctx: RunContext) -> Runner:
+        """Build the runner: env (name -> tensor) in, {live output name: tensor} out. Do all
+        compilation and validation here; it runs before any timed, cross-rank call."""
+        raise NotImplementedError
+
+
+_ALGORITHMS: dict[tuple[str, str], list[Algorithm]] = {}
+
+
+def register_algorithm(op_type: str, device_type: str, algorithm: Algorithm) -> None:
+    entries = _ALGORITHMS.setdefault((op_type, device_type), [])
+    if any(a.name == algorithm.name for a in entries):
+        raise ValueError(f"algorithm {algorithm.name!r} already registered for "
+                         f"{op_type} on {device_type}")
+    entries.append(algorithm)
+
+
+def unregister_algorithm(op_type: str, device_type: str, name: str) -> None:
+    entries = _ALGORITHMS.get((op_type, device_type), [])
+    entries[:] = [a for a in entries if a.name != name]
+
+
+# Backends whose algorithms register on import, loaded the first time their device is seen.
+BACKEND_MODULES = {"cuda": "infini_dist.kernels.cuda_algorithms"}
+_loaded_backends: set[str] = set()
+
+
+def _load_backend(device_type: str) -> None:
+    if device_type in _loaded_backends or device_type not in BACKEND_MODULES:
+        return
+    _loaded_backends.add(device_type)
+    import importlib
+    try:
+        importlib.import_module(BACKEND_MODULES[device_type])
+    except ImportError as error:
+        import logging
+        logging.getLogger("infini_dist").warning(
+            "infini_dist: %s backend unavailable (%s); only unfused choices", device_type, error)
+
+
+def algorithms_for(op_type: str, device_type: str) -> list[Algorithm]:
+    _load_backend(device_type)
+    spec = op_registry.get_op(op_type)
+    if spec.kind == "custom":
+        return [ImplementationAlgorithm(name, fn) for name, fn in spec.implementations.items()]
+    return list(_ALGORITHMS.get((op_type, device_type), []))
+
+
+def run_nodes(graph: SubGraph, indices, env: dict, ctx: RunContext) -> None:
+    """Run nodes unfused through their references, in place on env."""
+    for index in indices:
+        node = graph.nodes[index]
+        values = op_registry.run_node(node.op_type, [env[n] for n in node.inputs],
+                                      node.attr_dict, ctx.group)
+        env.update(zip(node.outputs, values))
+
+
+class ImplementationAlgorithm(Algorithm):
+    """A user op's implementation, with its epilogue chain run in the same function."""
+
+    def __init__(self, impl_name: str, fn: Callable):
+        self.name = f"impl:{impl_name}"
+        self.fn = fn
+
+    def supports(self, span, meta, ctx):
+        return not span.prologue and len(span.anchors) == 1
+
+    def compile(self, span, meta, ctx):
+        anchor = span.graph.nodes[span.anchors[0]]
+        attrs = anchor.attr_dict
+        outputs = span.outputs
+
+        def run(env):
+            local = dict(env)
+            result = self.fn(*[local[n] for n in anchor.inputs], **attrs)
+            local.update(zip(anchor.outputs, result if isinstance(result, tuple) else (result,)))
+            run_nodes(span.graph, span.epilogue, local, ctx)
+            return {n: local[n] for n in outputs}
+        return run
+
+
+class Choice:
+    def __init__(self, name: str, steps: list, graph: SubGraph, site: Site,
+                 span: FusedSpan | None = None, algorithm: Algorithm | None = None):
+        self.name = name
+        self.graph = graph
+        self.site = site
+        self.steps = steps  # ("nodes", indices) or ("span", span)
+        self.span = span
+        self.algorithm = algorithm
+        self._runner: Runner | None = None
+        self.outputs = live_outputs(graph, site.region)
+
+    @property
+    def nodes(self):
+        """The nodes this choice fuses (empty for an all-unfused choice)."""
+        return tuple(self.span.nodes(self.span.indices)) if self.span else ()
+
+    def precompile(self, meta: dict[str, TensorMeta], ctx: RunContext) -> None:
+        self._ctx = ctx
+        if self.span is not None:
+            self._runner = self.algorithm.compile(self.span, meta, ctx)
+
+    def run(self, inputs: dict) -> dict:
+        env = dict(inputs)
+        for kind, payload in self.steps:
+            if kind == "nodes":
+                run_nodes(self.graph, payload, env, self._ctx)
+            else:
+                env.update(self._runner(env))
+        return {name: env[name] for name in self.outputs}
+
+    def __repr__(self):
+        return f"Choice({self.name})"
+
+
+def _depths(limit: int, enabled: bool, recursive: bool) -> list[int]:
+    if not enabled or limit == 0:
+        return [0]
+    return list(range(limit + 1)) if recursive else [limit]
+
+
+def generate_choices(graph: SubGraph, site: Site, meta: dict[str, TensorMeta], ctx: RunContext,
+                     *, fusion_types, max_depth: int, recursive: bool,
+                     enable_fusion: bool = True) -> list[Choice]:
+    """The unfused baseline first, then every supported fused choice, in a deterministic order."""
+    baseline = Choice("unfused", [("nodes", site.region)], graph, site)
+    return [baseline] + _fused_choices(graph, site, site, meta, ctx, [], "", set(fusion_types),
+                                       max_depth, recursive, enable_fusion)
+
+
+def _fused_choices(graph, root, site, meta, ctx, prefix, prefix_name, fusion_types, max_depth,
+                   recursive, enable_fusion) -> list[Choice]:
+    # `root` is the whole site; `site` is what is left of it after peeling coalesced anchors.
+    anchor_op = graph.nodes[site.anchors[0]].op_type
+    longest_prologue = max((len(c) for c in site.prologue_of), default=0)
+    prologue_depths = _depths(min(longest_prologue, max_depth),
+                              enable_fusion and "prologue" in fusion_types, recursive)
+    epilogue_depths = _depths(min(len(site.epilogue), max_depth),
+                              enable_fusion and "epilogue" in fusion_types, recursive)
+    choices = []
+    for algorithm in algorithms_for(anchor_op, ctx.device.type):
+        for p in prologue_depths:
+            fused_prologue = tuple(sorted(i for chain in site.prologue_of
+                                          for i in chain[len(chain) - min(p, len(chain)):]))
+            unfused_prologue = tuple(i for i in site.prologue if i not in fused_prologue)
+            for e in epilogue_depths:
+                span = FusedSpan(graph, fused_prologue, site.anchors, site.epilogue[:e])
+                if not algorithm.supports(span, meta, ctx):
+                    continue
+                steps = list(prefix)
+                if unfused_prologue:
+                    steps.append(("nodes", unfused_prologue))
+                steps.append(("span", span))
+                if site.epilogue[e:]:
+                    steps.append(("nodes", site.epilogue[e:]))
+                name = f"{prefix_name}{algorithm.name}[p{p},e{e}]"
+                choices.append(Choice(name, steps, graph, root, span, algorithm))
+    if len(site.anchors) > 1 and recursive:
+        # Peel the first anchor off a coalesced group, run it alone, and recurse on the rest.
+        head = site.prologue_of[0] + (site.anchors[0],)
+        rest = Site(site.anchors[1:], tuple(i for i in site.prologue if i not in head),
+                    site.epilogue, site.prologue_of[1:])
+        choices += _fused_choices(graph, root, rest, meta, ctx, prefix + [("nodes", head)],
+                                  f"{prefix_name}split{site.anchors[0]}+", fusion_types,
+                                  max_depth, recursive, enable_fusion)
+    return choices

@@ -1,0 +1,306 @@
+"""Deferred choice, end to end: run a graph, and tune each site across its group on first sight.
+
+Per site and input signature, all ranks of the site's group, in lockstep over the control plane:
+agree on the signature -> agree on cache hit/miss -> agree on the choice list -> precompile in a
+thread pool and drop what failed anywhere -> per choice: trial run checked against the baseline,
+failures dropped everywhere, then timed -> medians combined by MAX -> argmin (ties by name, fused
+only past the speed-up threshold) -> rank 0's pick broadcast and checked -> commit to the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+import infini_dist
+from infini_dist.config import Settings
+from infini_dist.scheduler import benchmark
+from infini_dist.scheduler.cache import DECISIONS, versions
+from infini_dist.scheduler.choices import (Choice, RunContext, TensorMeta, generate_choices,
+                                           run_nodes)
+from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
+from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
+from infini_dist.scheduler.ops import close_enough
+
+log = logging.getLogger("infini_dist")
+
+
+class TuningError(RuntimeError):
+    pass
+
+
+# Test hook: transforms this rank's medians before they are shared (inject timing noise).
+timing_hook = None
+
+
+def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
+    """The site's region as a graph of its own: its signature is the same wherever it occurs."""
+    region = sorted(site.region)
+    return SubGraph(tuple(graph.nodes[i] for i in region), external_inputs(graph, region),
+                    live_outputs(graph, region))
+
+
+def _group_of(graph: SubGraph, site: Site, default):
+    name = graph.nodes[site.anchors[0]].attr("group_name")
+    if name:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(name)
+    return default
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def _digest(values: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(values):
+        t = values[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _is_unfused(choice: Choice) -> bool:
+    span = choice.span
+    return span is None or (not span.prologue and not span.epilogue and len(span.anchors) == 1)
+
+
+class SiteRunner:
+    """One site of one graph: its committed choice per input signature."""
+
+    def __init__(self, graph: SubGraph, site: Site, settings: Settings):
+        self.graph = graph
+        self.site = site
+        self.settings = settings
+        self.sub = site_subgraph(graph, site)
+        self.inputs = self.sub.input_names
+        self.outputs = self.sub.output_names
+        self.has_collective = any(graph.nodes[a].op_type == "all_reduce" for a in site.anchors)
+        self._committed: dict[tuple, Choice] = {}
+        self._lock = threading.Lock()
+
+    def run(self, env: dict, group) -> dict:
+        values = {name: env[name] for name in self.inputs}
+        group = _group_of(self.graph, self.site, group)
+        local = (id(group),) + tuple((tuple(v.shape), v.dtype, v.is_contiguous(), v.device)
+                                     if isinstance(v, torch.Tensor) else (type(v), v)
+                                     for v in values.values())
+        choice = self._committed.get(local)
+        if choice is None:
+            with self._lock:
+                choice = self._committed.get(local) or self._decide(values, group, local)
+        return choice.run(values)
+
+    # ---- deciding ----------------------------------------------------------------------------
+    def _context(self, values: dict, group) -> RunContext:
+        device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)),
+                      torch.device("cpu"))
+        if self.has_collective or dist.is_initialized():
+            return RunContext(group, dist.get_world_size(group), dist.get_rank(group), device)
+        return RunContext(group, 1, 0, device)
+
+    def _decide(self, values: dict, group, local: tuple) -> Choice:
+        ctx = self._context(values, group)
+        baseline_only = any(isinstance(v, torch.Tensor) and
+                            (not v.dtype.is_floating_point or v.numel() == 0)
+                            for v in values.values())
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            log.warning("infini_dist: no decision for %s before CUDA-graph capture; running the "
+                        "unfused baseline (warm up eagerly first)", self.sub.signature()[:12])
+            return self._baseline(ctx)  # never tuned inside a capture, and not committed
+        distributed = dist.is_initialized() and ctx.world_size > 1
+        plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
+        signature = {"subgraph": self.sub.signature(),
+                     "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
+                                else (n, repr(v)) for n, v in values.items()]}
+        if plane is not None:
+            plane.agree(signature, "signature", "input shapes and dtypes")
+        choice = self._tune(values, ctx, plane, baseline_only)
+        self._committed[local] = choice
+        return choice
+
+    def _baseline(self, ctx):
+        choice = Choice("unfused", [("nodes", self.site.region)], self.graph, self.site)
+        choice.precompile({}, ctx)
+        return choice
+
+    def _key(self, values, ctx) -> str:
+        tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+        return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
+                                  group_size=ctx.world_size, device=_device_name(ctx.device),
+                                  settings=self.settings.decision_fields(), **versions())
+
+    def _tune(self, values, ctx, plane: ControlPlane | None, baseline_only: bool) -> Choice:
+        s = self.settings
+        if baseline_only:
+            log.debug("infini_dist: int or empty input for %s: unfused baseline", self.sub)
+            return self._baseline(ctx)
+        key = self._key(values, ctx)
+        record = DECISIONS.get_memory(key)
+        rank0 = plane is None or plane.rank == 0
+        if record is None and rank0 and s.enable_disk_cache:
+            record = DECISIONS.read_disk(s.cache_dir, key)
+        if plane is not None:
+            record = plane.broadcast(record if rank0 else None, "cache lookup")
+        DECISIONS.count(hit=record is not None)
+
+        # One unfused pass gives the reference values and every intermediate's shape and dtype.
+        env = dict(values)
+        run_nodes(self.graph, self.site.region, env, ctx)
+        reference = {name: env[name] for name in self.outputs}
+        meta = {n: TensorMeta.of(v) for n, v in env.items() if isinstance(v, torch.Tensor)}
+        choices = generate_choices(self.graph, self.site, meta, ctx,
+                                   fusion_types=s.custom_op_fusion_types,
+                                   max_depth=s.max_fusion_depth,
+                                   recursive=s.enable_recursive_fusion,
+                                   enable_fusion=s.enable_custom_op_fusion)
+        names = [c.name for c in choices]
+        if plane is not None:
+            plane.agree(names, "choice list", "the set of choices")
+        if record is not None:
+            chosen = [c for c in choices if c.name == record["choice"]]
+            if chosen and not self._drop_failed(chosen, meta, ctx, plane, "precompile (hit)"):
+                chosen = []
+            if chosen:
+                log.debug("infini_dist: cache hit %s -> %s", key[:12], record["choice"])
+                return chosen[0]
+            log.warning("infini_dist: cached choice %r is unavailable; tuning again",
+                        record["choice"])
+        return self._benchmark(choices, values, reference, meta, ctx, plane, key)
+
+    def _drop_failed(self, choices, meta, ctx, plane, step) -> list[Choice]:
+        def precompile(choice):
+            try:
+                choice.precompile(meta, ctx)
+                return None
+            except Exception as error:  # any failure just removes the choice
+                return f"{type(error).__name__}: {error}"
+        threads = min(self.settings.max_autotune_threads, max(1, len(choices)))
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            errors = dict(zip([c.name for c in choices], pool.map(precompile, choices)))
+        return self._agree_failures(choices, errors, plane, step)
+
+    def _agree_failures(self, choices, errors: dict, plane, step) -> list[Choice]:
+        gathered = plane.all_gather(errors, step) if plane is not None else [errors]
+        failed = {}
+        for rank, errs in enumerate(gathered):
+            for name, err in errs.items():
+                if err is not None:
+                    failed.setdefault(name, f"rank {rank}: {err}")
+        for name, err in failed.items():
+            if name == "unfused":
+                raise TuningError(f"infini_dist: the unfused baseline failed ({err})")
+            (log.warning if self.settings.debug_mode else log.info)(
+                "infini_dist: dropping choice %s at %s: %s", name, step, err)
+        return [c for c in choices if c.name not in failed]
+
+    def _benchmark(self, choices, values, reference, meta, ctx, plane, key) -> Choice:
+        s = self.settings
+        choices = self._drop_failed(choices, meta, ctx, plane, "precompile")
+        medians: dict[str, float] = {}
+        survivors = []
+        replicated = True
+        for choice in choices:
+            if plane is not None:
+                plane.barrier(f"start {choice.name}")
+            error, digest = None, None
+            try:
+                out = choice.run(values)
+                wrong = [n for n in reference if not close_enough(out[n], reference[n])]
+                if wrong:
+                    error = f"output {wrong} differs from the unfused baseline"
+                digest = _digest(out)
+            except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
+                error = f"{type(exc).__name__}: {exc}"
+            if not self._agree_failures([choice], {choice.name: error}, plane,
+                                        f"trial {choice.name}"):
+                continue
+            # Where the baseline gives every rank the same bits, a fused choice must too.
+            digests = plane.all_gather(digest, f"digest {choice.name}") if plane else [digest]
+            if choice.name == "unfused":
+                replicated = len(set(digests)) == 1
+            elif replicated and len(set(digests)) > 1:
+                log.warning("infini_dist: dropping %s: outputs differ across ranks", choice.name)
+                continue
+            times = benchmark.time_reps(lambda: choice.run(values), ctx.device,
+                                        s.benchmark_warmup, s.benchmark_reps)
+            medians[choice.name] = benchmark.median(times)
+            survivors.append(choice)
+        if timing_hook is not None:
+            medians = timing_hook(dict(medians))
+        all_medians = plane.all_gather(medians, "timings") if plane else [medians]
+        worst = {n: max(m[n] for m in all_medians) for n in medians}
+        unfused = {c.name for c in survivors if _is_unfused(c)}
+        mine = benchmark.pick(worst, unfused, s.fusion_speedup_threshold)
+        if plane is not None:
+            decided = plane.broadcast(mine, "decision")
+            if decided != mine:
+                raise RankMismatchError(f"infini_dist: rank {plane.rank} picked {mine!r} but rank "
+                                        f"{plane.ranks[0]} picked {decided!r}")
+        record = {"choice": mine, "times_s": worst, "candidates": [c.name for c in survivors],
+                  "subgraph": self.sub.canonical()}
+        DECISIONS.put_memory(key, record)
+        if (plane is None or plane.rank == 0) and s.enable_disk_cache:
+            DECISIONS.write_disk(s.cache_dir, key, record)
+        self.last_tuning = record
+        (log.warning if s.debug_mode else log.debug)(
+            "infini_dist: committed %s for %s (%s)", mine, key[:12],
+            ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(worst.items(), key=lambda x: x[1])))
+        return next(c for c in survivors if c.name == mine)
+
+
+class GraphExecutor:
+    """Runs a SubGraph: loose nodes through their references, sites through their decisions."""
+
+    def __init__(self, graph: SubGraph, settings: Settings):
+        self.graph = graph
+        self.settings = settings
+        types = settings.custom_op_fusion_types if settings.enable_custom_op_fusion else ()
+        self.sites = find_sites(graph, types)
+        in_region = {i: s for s in self.sites for i in s.region}
+        self.plan = []
+        for index in range(len(graph.nodes)):
+            site = in_region.get(index)
+            if site is None:
+                self.plan.append(("node", index))
+            elif index == site.anchors[0]:
+                # Prologue nodes are private to their anchor, so running them here is safe.
+                self.plan.append(("site", SiteRunner(graph, site, settings)))
+
+    def run(self, inputs: dict, group=None) -> dict:
+        missing = [n for n in self.graph.input_names if n not in inputs]
+        if missing:
+            raise ValueError(f"missing graph inputs: {missing}")
+        env = dict(inputs)
+        ctx = None
+        for kind, item in self.plan:
+            if kind == "node":
+                if ctx is None:
+                    ctx = RunContext(group, 1, 0, torch.device("cpu"))
+                run_nodes(self.graph, (item,), env, ctx)
+            else:
+                env.update(item.run(env, group))
+        return {name: env[name] for name in self.graph.output_names}
+
+    def site_runners(self) -> list[SiteRunner]:
+        return [item for kind, item in self.plan if kind == "site"]
+
+
+_EXECUTORS: dict[tuple, GraphExecutor] = {}
+
+
+def executor_for(graph: SubGraph, settings: Settings | None = None) -> GraphExecutor:
+    settings = settings or infini_dist.config.snapshot()
+    key = (graph, settings)
+    executor = _EXECUTORS.get(key)
+    if executor is None:
+        executor = _EXECUTORS[key] = GraphExecutor(graph, settings)
+    return executor

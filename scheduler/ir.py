@@ -1,0 +1,311 @@
+"""The IR: op nodes, subgraphs, stable cache keys and boundary analysis.
+
+A collective (or a user op with several implementations) is an *anchor*. Around it the boundary
+analysis finds the nodes that may fuse with it: the prologue chain (elementwise producers used only
+by it) and the epilogue chain (its consumers, in order). Anchor plus chains is a `Site`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from infini_dist.scheduler import ops as op_registry
+
+_ATTR_TYPES = (bool, int, float, str, type(None))
+
+
+def _as_names(value: Any, what: str) -> tuple[str, ...]:
+    # A bare string is iterable, so tuple("x_in") would silently become five names.
+    if isinstance(value, str):
+        raise TypeError(f"{what} must be a tuple of names, got the bare string {value!r}; "
+                        f"write ({value!r},)")
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a tuple of names, got {type(value).__name__}") from None
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{what} must hold non-empty strings, got {name!r}")
+    return names
+
+
+def _freeze_attr(key: str, value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze_attr(key, v) for v in value)
+    if not isinstance(value, _ATTR_TYPES):
+        raise TypeError(f"attribute {key!r} must be a bool, int, float, str, None or a tuple of "
+                        f"those, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class OpNode:
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.op_type, str) or not self.op_type:
+            raise TypeError(f"op_type must be a non-empty string, got {self.op_type!r}")
+        object.__setattr__(self, "inputs", _as_names(self.inputs, f"{self.op_type}: inputs"))
+        object.__setattr__(self, "outputs", _as_names(self.outputs, f"{self.op_type}: outputs"))
+        attrs = self.attrs
+        items = attrs.items() if isinstance(attrs, Mapping) else attrs
+        frozen = tuple(sorted((str(k), _freeze_attr(k, v)) for k, v in items))
+        object.__setattr__(self, "attrs", frozen)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        for key, value in self.attrs:
+            if key == name:
+                return value
+        return default
+
+    @property
+    def attr_dict(self) -> dict[str, Any]:
+        return dict(self.attrs)
+
+    def canonical(self) -> list:
+        return [self.op_type, list(self.inputs), list(self.outputs),
+                [[k, _canonical_value(v)] for k, v in self.attrs]]
+
+
+def _canonical_value(value: Any) -> Any:
+    # repr() of a float is exact and identical in every process; json floats are not guaranteed.
+    if isinstance(value, float):
+        return {"float": repr(value)}
+    if isinstance(value, tuple):
+        return [_canonical_value(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class SubGraph:
+    nodes: tuple[OpNode, ...]
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+    def __post_init__(self):
+        nodes = self.nodes
+        if isinstance(nodes, OpNode):
+            nodes = (nodes,)
+        nodes = tuple(nodes)
+        for node in nodes:
+            if not isinstance(node, OpNode):
+                raise TypeError(f"SubGraph nodes must be OpNode, got {type(node).__name__}")
+        object.__setattr__(self, "nodes", nodes)
+        object.__setattr__(self, "input_names", _as_names(self.input_names, "input_names"))
+        object.__setattr__(self, "output_names", _as_names(self.output_names, "output_names"))
+        self._validate()
+
+    def _validate(self):
+        defined = set()
+        for name in self.input_names:
+            if name in defined:
+                raise ValueError(f"graph input {name!r} is listed twice")
+            defined.add(name)
+        for index, node in enumerate(self.nodes):
+            spec = op_registry.get_op(node.op_type)  # raises for an unknown op
+            for name in node.inputs:
+                if name not in defined:
+                    raise ValueError(f"node {index} ({node.op_type}) reads {name!r}, which is neither "
+                                     f"a graph input nor produced by an earlier node")
+            expected = len(node.inputs) if spec.outputs_per_input else spec.num_outputs
+            if len(node.outputs) != expected:
+                raise ValueError(f"node {index} ({node.op_type}) must have {expected} output(s), "
+                                 f"got {len(node.outputs)}")
+            if spec.num_inputs is not None and len(node.inputs) != spec.num_inputs:
+                raise ValueError(f"node {index} ({node.op_type}) takes {spec.num_inputs} input(s), "
+                                 f"got {len(node.inputs)}")
+            for name in node.outputs:
+                if name in defined:
+                    raise ValueError(f"value {name!r} is defined twice (node {index}, {node.op_type})")
+                defined.add(name)
+        for name in self.output_names:
+            if name not in defined:
+                raise ValueError(f"graph output {name!r} is never produced")
+
+    def canonical(self) -> str:
+        return json.dumps({"nodes": [n.canonical() for n in self.nodes],
+                           "inputs": list(self.input_names),
+                           "outputs": list(self.output_names)}, sort_keys=True,
+                          separators=(",", ":"))
+
+    def signature(self) -> str:
+        """sha256 of the structure alone: equal in every process for equal graphs."""
+        return hashlib.sha256(self.canonical().encode()).hexdigest()
+
+    def cache_key(self, dtypes: Iterable[Any], shapes: Iterable[Iterable[int]], **extra: Any) -> str:
+        payload = json.dumps({"graph": self.canonical(),
+                              "dtypes": [str(d) for d in dtypes],
+                              "shapes": [[int(s) for s in shape] for shape in shapes],
+                              "extra": {k: str(v) for k, v in sorted(extra.items())}},
+                             sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    # Derived facts, computed on demand (frozen dataclass: no caches on the instance).
+    def producers(self) -> dict[str, int]:
+        return {name: i for i, node in enumerate(self.nodes) for name in node.outputs}
+
+    def consumers(self) -> dict[str, list[int]]:
+        users: dict[str, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            for name in node.inputs:
+                users.setdefault(name, []).append(i)
+        return users
+
+
+@dataclass(frozen=True)
+class Site:
+    """Anchors (one op, or several coalesced all_reduces) plus their fusable neighbours.
+
+    All fields are node indices into the owning graph, in execution order.
+    """
+    anchors: tuple[int, ...]
+    prologue: tuple[int, ...]
+    epilogue: tuple[int, ...]
+    prologue_of: tuple[tuple[int, ...], ...] = field(default=())  # prologue chain per anchor
+
+    @property
+    def region(self) -> tuple[int, ...]:
+        return self.prologue + self.anchors + self.epilogue
+
+    @property
+    def first(self) -> int:
+        return self.region[0]
+
+    @property
+    def last(self) -> int:
+        return self.region[-1]
+
+
+def is_anchor(graph: SubGraph, index: int) -> bool:
+    return op_registry.get_op(graph.nodes[index].op_type).is_anchor
+
+
+def prologue_chain(graph: SubGraph, anchor: int) -> tuple[int, ...]:
+    """Elementwise producers, walked back along each node's first input, whose every output is
+    read only by the next node of the chain (and is not a graph output). Producer first."""
+    users = graph.consumers()
+    producer = graph.producers()
+    outputs = set(graph.output_names)
+    chain: list[int] = []
+    current = anchor
+    # A coalesced all_reduce has several inputs; walking one of them would hide the others.
+    if len(graph.nodes[anchor].inputs) != 1:
+        return ()
+    while True:
+        source = graph.nodes[current].inputs[0]
+        index = producer.get(source)
+        if index is None:
+            break
+        node = graph.nodes[index]
+        if not op_registry.may_fuse(node.op_type, "prologue"):
+            break
+        private = all(users.get(name, []) == [current] and name not in outputs
+                      for name in node.outputs)
+        if not private:
+            break
+        chain.append(index)
+        current = index
+    return tuple(reversed(chain))
+
+
+def epilogue_chain(graph: SubGraph, anchors: tuple[int, ...]) -> tuple[int, ...]:
+    """Nodes right after the last anchor that read a value of the site and may fuse as an
+    epilogue; every other input must exist before the site runs. Stops at the first node that
+    does not qualify, so the chain is contiguous and the site can run as one unit."""
+    producer = graph.producers()
+    live = {name for a in anchors for name in graph.nodes[a].outputs}
+    start = anchors[0]
+    chain: list[int] = []
+    for index in range(anchors[-1] + 1, len(graph.nodes)):
+        node = graph.nodes[index]
+        if not op_registry.may_fuse(node.op_type, "epilogue"):
+            break
+        if not any(name in live for name in node.inputs):
+            break
+        side_ready = all(name in live or producer.get(name, -1) < start for name in node.inputs)
+        if not side_ready:
+            break
+        chain.append(index)
+        live.update(node.outputs)
+    return tuple(chain)
+
+
+def _coalescable_runs(graph: SubGraph) -> list[tuple[int, ...]]:
+    """Maximal runs of adjacent all_reduces on one group, none reading another's output."""
+    runs: list[tuple[int, ...]] = []
+    current: list[int] = []
+    for index, node in enumerate(graph.nodes):
+        joinable = False
+        if node.op_type == "all_reduce" and current:
+            head = graph.nodes[current[0]]
+            produced = {n for i in current for n in graph.nodes[i].outputs}
+            joinable = (current[-1] == index - 1 and node.attrs == head.attrs
+                        and not produced.intersection(node.inputs))
+        if joinable:
+            current.append(index)
+            continue
+        if len(current) > 1:
+            runs.append(tuple(current))
+        current = [index] if node.op_type == "all_reduce" else []
+    if len(current) > 1:
+        runs.append(tuple(current))
+    return runs
+
+
+def find_sites(graph: SubGraph, fusion_types: Iterable[str] = ("epilogue", "prologue",
+                                                               "cross_subgraph")) -> list[Site]:
+    """Every anchor of the graph with its boundary, in execution order. Regions never overlap."""
+    fusion_types = set(fusion_types)
+    grouped: dict[int, tuple[int, ...]] = {}
+    if "cross_subgraph" in fusion_types:
+        for run in _coalescable_runs(graph):
+            for index in run:
+                grouped[index] = run
+    sites: list[Site] = []
+    seen: set[int] = set()
+    for index in range(len(graph.nodes)):
+        if index in seen or not is_anchor(graph, index):
+            continue
+        anchors = grouped.get(index, (index,))
+        seen.update(anchors)
+        per_anchor = tuple(prologue_chain(graph, a) if "prologue" in fusion_types else ()
+                           for a in anchors)
+        custom = graph.nodes[index].op_type != "all_reduce"
+        if custom:  # user ops fuse only epilogues
+            per_anchor = tuple(() for _ in anchors)
+        epilogue = epilogue_chain(graph, anchors) if "epilogue" in fusion_types else ()
+        prologue = tuple(sorted(i for chain in per_anchor for i in chain))
+        sites.append(Site(anchors, prologue, epilogue, per_anchor))
+    return sites
+
+
+def live_outputs(graph: SubGraph, covered: Iterable[int]) -> tuple[str, ...]:
+    """Values produced inside `covered` that something outside it (or the graph) still reads."""
+    covered = set(covered)
+    users = graph.consumers()
+    outputs = set(graph.output_names)
+    live = []
+    for index in sorted(covered):
+        for name in graph.nodes[index].outputs:
+            readers = users.get(name, [])
+            if name in outputs or any(r not in covered for r in readers):
+                live.append(name)
+    return tuple(live)
+
+
+def external_inputs(graph: SubGraph, covered: Iterable[int]) -> tuple[str, ...]:
+    """Values that nodes in `covered` read but do not produce, in first-use order."""
+    covered = sorted(set(covered))
+    produced = {n for i in covered for n in graph.nodes[i].outputs}
+    seen: list[str] = []
+    for index in covered:
+        for name in graph.nodes[index].inputs:
+            if name not in produced and name not in seen:
+                seen.append(name)
+    return tuple(seen)

@@ -1,0 +1,211 @@
+"""The op registry: a torch reference for every op, and the rule table of what may fuse where.
+
+References compute in fp32 and round once to the input dtype, the same contract our fused kernels
+keep, so a fused choice can be checked against the unfused baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# kind -> where such an op may fuse around an anchor
+FUSION_RULES: dict[str, frozenset[str]] = {
+    "elementwise": frozenset({"prologue", "epilogue"}),
+    "rowwise": frozenset({"epilogue"}),  # row reductions (norms) need the whole reduced row
+    "collective": frozenset(),
+    "custom": frozenset(),
+    "opaque": frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    fn: Callable
+    kind: str = "opaque"
+    num_outputs: int = 1
+    num_inputs: int | None = None
+    outputs_per_input: bool = False  # all_reduce: one output per (coalesced) input
+    implementations: dict[str, Callable] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def is_anchor(self) -> bool:
+        return self.kind == "collective" or (self.kind == "custom" and bool(self.implementations))
+
+
+_REGISTRY: dict[str, OpSpec] = {}
+
+
+def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: int = 1,
+                num_inputs: int | None = None,
+                implementations: dict[str, Callable] | None = None,
+                replace: bool = False) -> OpSpec:
+    """Register an op. `fn(*tensors, **attrs)` is its reference.
+
+    Give `implementations` ({name: fn}) to make it a deferred-choice site: each implementation is
+    a choice, and so is each implementation with its epilogue chain fused after it.
+    `kind` is 'elementwise' or 'rowwise' to let the op fuse into collectives' chains.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError("op name must be a non-empty string")
+    if not callable(fn):
+        raise TypeError(f"op {name!r}: fn must be callable")
+    if implementations:
+        kind = "custom"
+        for impl_name, impl in implementations.items():
+            if not callable(impl):
+                raise TypeError(f"op {name!r}: implementation {impl_name!r} is not callable")
+    if kind not in FUSION_RULES:
+        raise ValueError(f"op {name!r}: kind must be one of {sorted(FUSION_RULES)}, got {kind!r}")
+    if name in _REGISTRY and not replace:
+        existing = _REGISTRY[name]
+        if existing.fn is fn and existing.implementations == (implementations or {}):
+            return existing
+        raise ValueError(f"op {name!r} is already registered; pass replace=True to override")
+    spec = OpSpec(name, fn, kind, num_outputs, num_inputs, False, dict(implementations or {}))
+    _REGISTRY[name] = spec
+    return spec
+
+
+def get_op(name: str) -> OpSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(_REGISTRY))}. "
+                         f"Register it with register_op().") from None
+
+
+def registered_ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def may_fuse(op_type: str, position: str) -> bool:
+    spec = _REGISTRY.get(op_type)
+    return spec is not None and position in FUSION_RULES[spec.kind]
+
+
+def run_node(op_type: str, tensors: list, attrs: dict, group=None) -> tuple:
+    spec = get_op(op_type)
+    if spec.kind == "collective":
+        result = spec.fn(*tensors, group=group, **attrs)
+    else:
+        result = spec.fn(*tensors, **attrs)
+    return result if isinstance(result, tuple) else (result,)
+
+
+# ---- references ---------------------------------------------------------------------------------
+
+def _fp32(fn):
+    def wrapped(*tensors, **attrs):
+        out_dtype = tensors[0].dtype
+        if not out_dtype.is_floating_point:
+            return fn(*tensors, **attrs)
+        return fn(*(t.float() for t in tensors), **attrs).to(out_dtype)
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+def all_reduce(*tensors, group=None, op: str = "sum"):
+    """Sum each tensor over the group. Several inputs form one coalesced collective."""
+    if op != "sum":
+        raise ValueError(f"all_reduce supports op='sum' only, got {op!r}")
+    outs = []
+    for t in tensors:
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        outs.append(out)
+    return tuple(outs)
+
+
+def add(a, b):
+    return a + b
+
+
+def mul(a, b):
+    return a * b
+
+
+def scale(x, scale: float = 1.0):
+    return x * scale
+
+
+def relu(x):
+    return torch.relu(x)
+
+
+def silu(x):
+    return F.silu(x)
+
+
+def gelu(x, approximate: str = "none"):
+    return F.gelu(x, approximate=approximate)
+
+
+def sigmoid(x):
+    return torch.sigmoid(x)
+
+
+def _rms(x32, weight, eps):
+    inv = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x32 * inv * weight.float()
+
+
+def rms_norm(x, weight, eps: float = 1e-6):
+    return _rms(x.float(), weight, eps).to(x.dtype)
+
+
+def add_rms_norm(x, residual, weight, eps: float = 1e-6):
+    """(rms_norm(x + residual) * weight, x + residual); the sum is kept in fp32 for the norm."""
+    total = x.float() + residual.float()
+    return _rms(total, weight, eps).to(x.dtype), total.to(x.dtype)
+
+
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def _elementwise(name, fn, num_inputs):
+    register_op(name, _fp32(fn), kind="elementwise", num_inputs=num_inputs)
+
+
+_REGISTRY["all_reduce"] = OpSpec("all_reduce", all_reduce, "collective", outputs_per_input=True)
+_elementwise("add", add, 2)
+_elementwise("mul", mul, 2)
+_elementwise("scale", scale, 1)
+_elementwise("relu", relu, 1)
+_elementwise("silu", silu, 1)
+_elementwise("gelu", gelu, 1)
+_elementwise("sigmoid", sigmoid, 1)
+_elementwise("swiglu", swiglu, 2)
+register_op("rms_norm", rms_norm, kind="rowwise", num_inputs=2)
+register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outputs=2)
+
+ELEMENTWISE_OPS = ("add", "mul", "scale", "relu", "silu", "gelu", "sigmoid", "swiglu")
+
+# Tolerances for checking a choice against the unfused baseline: one rounding of the output dtype
+# per fused step is allowed, never more.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+def close_enough(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return False
+    if not expected.dtype.is_floating_point:
+        return torch.equal(actual, expected)
+    if actual.numel() == 0:
+        return True
+    tol = TOLERANCE.get(expected.dtype, 1e-2)
+    a, e = actual.double(), expected.double()
+    if not torch.equal(torch.isfinite(a), torch.isfinite(e)):
+        return False
+    finite = torch.isfinite(e)
+    diff = (a[finite] - e[finite]).abs()
+    bound = tol * (1.0 + e[finite].abs())
+    return bool((diff <= bound).all()) and not math.isnan(float(diff.sum()))

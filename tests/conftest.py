@@ -1,0 +1,26 @@
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    """Every test gets its own decision-cache dir and a clean in-process cache."""
+    import infini_dist
+    from infini_dist.scheduler.cache import DECISIONS
+    cache = tmp_path / "infini_dist_cache"
+    monkeypatch.setenv("INFINI_DIST_CACHE_DIR", str(cache))
+    monkeypatch.setattr(infini_dist.config, "cache_dir", str(cache))
+    DECISIONS.clear()
+    yield cache
+    DECISIONS.clear()
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA GPUs"))
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

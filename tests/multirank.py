@@ -1,0 +1,71 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each returns.
+
+Rendezvous goes through a file in a temp dir, so parallel tests (pytest -n) never fight over
+ports, and every run gets its own decision-cache dir unless the caller passes one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env):
+    os.environ.update(env)
+    os.environ["INFINI_DIST_CACHE_DIR"] = cache_dir
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size,
+                                timeout=__import__("datetime").timedelta(seconds=60))
+        import infini_dist
+        infini_dist.config.cache_dir = cache_dir
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as error:  # report, never hang the parent
+        queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
+              timeout: float = 120.0, env: dict | None = None) -> list:
+    """Returns each rank's result (rank order). Raises if a rank raised or did not finish.
+
+    `fn(rank, world_size, *args)` must be a module-level function (it is pickled)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        cache_dir = cache_dir or os.path.join(tmp, "cache")
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, cache_dir, fn, args,
+                                                  queue, dict(env or {})))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple] = {}
+        try:
+            for _ in range(world_size):
+                rank, status, value = queue.get(timeout=timeout)
+                results[rank] = (status, value)
+        except Exception:
+            raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not "
+                               f"finish within {timeout}s; finished: {results}") from None
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors:
+        raise RuntimeError("rank failures:\n" + "\n".join(f"[rank {r}] {v}"
+                                                          for r, v in sorted(errors.items())))
+    return [results[r][1] for r in range(world_size)]
