@@ -36,9 +36,12 @@ class ControlPlane:
         # Our own group even over a gloo data group: its timeout is ours, not the user's.
         # use_local_synchronization: only these ranks take part, so a subgroup never waits on
         # ranks outside it (plain new_group is collective over WORLD).
-        return dist.new_group(list(self.ranks), backend="gloo",
-                              timeout=datetime.timedelta(seconds=timeout_s),
-                              use_local_synchronization=True)
+        try:
+            return dist.new_group(list(self.ranks), backend="gloo",
+                                  timeout=datetime.timedelta(seconds=timeout_s),
+                                  use_local_synchronization=True)
+        except Exception as error:  # the store wait times out when a member never comes
+            self._fail("control group setup", error)
 
     def _fail(self, step: str, error: Exception):
         raise ControlPlaneError(

@@ -1,0 +1,47 @@
+"""Residual add then rms_norm, one pass; the norm reads the fp32 sum, not its rounded copy.
+
+Unfused torch:
+    total = x.float() + residual.float()
+    normed = (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight.float())
+    return normed.to(x.dtype), total.to(x.dtype)
+"""
+
+import functools
+
+import ninetoothed.language as ntl
+from ninetoothed import Tensor
+
+from infini_dist.kernels import nt_runtime
+from infini_dist.kernels.rms_norm import rms_normalize_fp32
+from infini_dist.kernels.rows import arrangement, broadcast_shape, check_dtypes, output, run_rowwise
+
+
+def application(input, residual, weight, eps, num_cols, output, residual_out):
+    total = ntl.cast(input, ntl.float32) + ntl.cast(residual, ntl.float32)
+    residual_out = total  # noqa: F841
+    output = rms_normalize_fp32(total, ntl.cast(weight, ntl.float32), eps, num_cols)  # noqa: F841
+
+
+def premake(block_m, block_n):
+    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
+    tensors = (Tensor(2, other=0.0), Tensor(2, other=0.0), Tensor(1, other=0.0), Tensor(0),
+               Tensor(0), Tensor(2), Tensor(2))
+    return arrangement_, application, tensors
+
+
+@functools.cache
+def make(block_m, block_n, num_warps):
+    return nt_runtime.make(premake(block_m, block_n), num_warps)
+
+
+def add_rms_norm(x, residual, weight, eps=1e-6, out=None, residual_out=None):
+    """Returns (normed, x + residual), both of x's shape and dtype."""
+    check_dtypes(x, residual)
+    shape = broadcast_shape((x, residual))
+    if tuple(shape) != tuple(x.shape):
+        raise ValueError(f"residual of shape {tuple(residual.shape)} would change x's shape "
+                         f"{tuple(x.shape)}")
+    out = output(out, shape, x.dtype, x.device)
+    residual_out = output(residual_out, shape, x.dtype, x.device, "residual_out")
+    run_rowwise(make, (x, residual), weight, (float(eps),), (out, residual_out))
+    return out, residual_out

@@ -1,0 +1,56 @@
+"""gelu, one pass, exact (erf) or tanh-approximated.
+
+Unfused torch:
+    out = torch.nn.functional.gelu(x.float(), approximate=approximate).to(x.dtype)
+"""
+
+import functools
+
+import ninetoothed.language as ntl
+from ninetoothed import Tensor
+
+from infini_dist.kernels import nt_runtime
+from infini_dist.kernels.rows import arrangement, run_elementwise
+
+APPROXIMATIONS = ("none", "tanh")
+
+
+def gelu_erf_fp32(x):
+    return 0.5 * x * (1.0 + ntl.erf(x * 0.7071067811865476))
+
+
+def gelu_tanh_fp32(x):
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u), and Triton has sigmoid but no tanh;
+    # 1.5957691216057308 is 2 * sqrt(2 / pi).
+    return x * ntl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+
+
+def erf_application(input, output):
+    output = gelu_erf_fp32(ntl.cast(input, ntl.float32))  # noqa: F841
+
+
+def tanh_application(input, output):
+    output = gelu_tanh_fp32(ntl.cast(input, ntl.float32))  # noqa: F841
+
+
+def check_approximate(approximate):
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"gelu: approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+
+
+def premake(block_m, block_n, approximate="none"):
+    check_approximate(approximate)
+    application = tanh_application if approximate == "tanh" else erf_application
+    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
+    return arrangement_, application, (Tensor(2), Tensor(2))
+
+
+@functools.cache
+def make(block_m, block_n, num_warps, approximate="none"):
+    return nt_runtime.make(premake(block_m, block_n, approximate), num_warps)
+
+
+def gelu(x, approximate="none", out=None):
+    check_approximate(approximate)
+    make_ = functools.partial(make, approximate=approximate)
+    return run_elementwise(make_, (x,), out=out)

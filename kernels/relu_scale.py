@@ -1,0 +1,33 @@
+"""relu then scale, one pass: out = max(x, 0) * s for a Python scalar s.
+
+Unfused torch:
+    y = torch.relu(x)
+    out = (y.float() * s).to(x.dtype)
+"""
+
+import functools
+
+import ninetoothed.language as ntl
+from ninetoothed import Tensor
+
+from infini_dist.kernels import nt_runtime
+from infini_dist.kernels.relu import relu_fp32
+from infini_dist.kernels.rows import arrangement, run_elementwise
+
+
+def application(input, scale, output):
+    output = relu_fp32(ntl.cast(input, ntl.float32)) * scale  # noqa: F841
+
+
+def premake(block_m, block_n):
+    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
+    return arrangement_, application, (Tensor(2), Tensor(0), Tensor(2))
+
+
+@functools.cache
+def make(block_m, block_n, num_warps):
+    return nt_runtime.make(premake(block_m, block_n), num_warps)
+
+
+def relu_scale(x, s, out=None):
+    return run_elementwise(make, (x,), (float(s),), out=out)

@@ -1,0 +1,44 @@
+"""rms_norm over the last dim, one pass: whole rows per tile, sums in fp32, rounded once.
+
+Unfused torch:
+    x32 = x.float()
+    out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+"""
+
+import functools
+
+import ninetoothed.language as ntl
+from ninetoothed import Tensor
+
+from infini_dist.kernels import nt_runtime
+from infini_dist.kernels.rows import arrangement, check_dtypes, output, run_rowwise
+
+
+def rms_normalize_fp32(x, weight, eps, num_cols):
+    # x is a (rows, block) tile whose lanes past the row end are zero.
+    mean_square = ntl.sum(x * x, axis=1, keep_dims=True) / num_cols
+    return x * ntl.rsqrt(mean_square + eps) * weight
+
+
+def application(input, weight, eps, num_cols, output):
+    output = rms_normalize_fp32(  # noqa: F841
+        ntl.cast(input, ntl.float32), ntl.cast(weight, ntl.float32), eps, num_cols)
+
+
+def premake(block_m, block_n):
+    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
+    # other=0: lanes past the row end must add nothing to the sum of squares.
+    tensors = (Tensor(2, other=0.0), Tensor(1, other=0.0), Tensor(0), Tensor(0), Tensor(2))
+    return arrangement_, application, tensors
+
+
+@functools.cache
+def make(block_m, block_n, num_warps):
+    return nt_runtime.make(premake(block_m, block_n), num_warps)
+
+
+def rms_norm(x, weight, eps=1e-6, out=None):
+    check_dtypes(x)
+    out = output(out, x.shape, x.dtype, x.device)
+    run_rowwise(make, (x,), weight, (float(eps),), (out,))
+    return out

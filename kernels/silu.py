@@ -1,0 +1,35 @@
+"""silu, one pass: out = x * sigmoid(x).
+
+Unfused torch:
+    out = torch.nn.functional.silu(x.float()).to(x.dtype)
+"""
+
+import functools
+
+import ninetoothed.language as ntl
+from ninetoothed import Tensor
+
+from infini_dist.kernels import nt_runtime
+from infini_dist.kernels.rows import arrangement, run_elementwise
+
+
+def silu_fp32(x):
+    return x * ntl.sigmoid(x)
+
+
+def application(input, output):
+    output = silu_fp32(ntl.cast(input, ntl.float32))  # noqa: F841
+
+
+def premake(block_m, block_n):
+    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
+    return arrangement_, application, (Tensor(2), Tensor(2))
+
+
+@functools.cache
+def make(block_m, block_n, num_warps):
+    return nt_runtime.make(premake(block_m, block_n), num_warps)
+
+
+def silu(x, out=None):
+    return run_elementwise(make, (x,), out=out)
