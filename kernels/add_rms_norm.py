@@ -19,7 +19,8 @@ from infini_dist.kernels.rows import arrangement, broadcast_shape, check_dtypes,
 def application(input, residual, weight, eps, num_cols, output, residual_out):
     total = ntl.cast(input, ntl.float32) + ntl.cast(residual, ntl.float32)
     residual_out = total  # noqa: F841
-    output = rms_normalize_fp32(total, ntl.cast(weight, ntl.float32), eps, num_cols)  # noqa: F841
+    w = ntl.cast(weight, ntl.float32)
+    output = rms_normalize_fp32(total, w, eps, num_cols)  # noqa: F841
 
 
 def premake(block_m, block_n):

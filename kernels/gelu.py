@@ -26,11 +26,13 @@ def gelu_tanh_fp32(x):
 
 
 def erf_application(input, output):
-    output = gelu_erf_fp32(ntl.cast(input, ntl.float32))  # noqa: F841
+    x = ntl.cast(input, ntl.float32)
+    output = gelu_erf_fp32(x)  # noqa: F841
 
 
 def tanh_application(input, output):
-    output = gelu_tanh_fp32(ntl.cast(input, ntl.float32))  # noqa: F841
+    x = ntl.cast(input, ntl.float32)
+    output = gelu_tanh_fp32(x)  # noqa: F841
 
 
 def check_approximate(approximate):

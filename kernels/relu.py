@@ -19,7 +19,8 @@ def relu_fp32(x):
 
 
 def application(input, output):
-    output = relu_fp32(ntl.cast(input, ntl.float32))  # noqa: F841
+    x = ntl.cast(input, ntl.float32)
+    output = relu_fp32(x)  # noqa: F841
 
 
 def premake(block_m, block_n):

@@ -16,7 +16,11 @@ from infini_dist.kernels.rows import arrangement, run_elementwise
 
 
 def application(input, scale, output):
-    output = relu_fp32(ntl.cast(input, ntl.float32)) * scale  # noqa: F841
+    x = ntl.cast(input, ntl.float32)
+    # A helper call must be a statement's whole right-hand side: ninetoothed 0.26 drops the
+    # inlined body of a call nested in an expression.
+    activated = relu_fp32(x)
+    output = activated * scale  # noqa: F841
 
 
 def premake(block_m, block_n):

@@ -21,8 +21,9 @@ def rms_normalize_fp32(x, weight, eps, num_cols):
 
 
 def application(input, weight, eps, num_cols, output):
-    output = rms_normalize_fp32(  # noqa: F841
-        ntl.cast(input, ntl.float32), ntl.cast(weight, ntl.float32), eps, num_cols)
+    x = ntl.cast(input, ntl.float32)
+    w = ntl.cast(weight, ntl.float32)
+    output = rms_normalize_fp32(x, w, eps, num_cols)  # noqa: F841
 
 
 def premake(block_m, block_n):

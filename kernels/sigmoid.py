@@ -18,7 +18,8 @@ def sigmoid_fp32(x):
 
 
 def application(input, output):
-    output = sigmoid_fp32(ntl.cast(input, ntl.float32))  # noqa: F841
+    x = ntl.cast(input, ntl.float32)
+    output = sigmoid_fp32(x)  # noqa: F841
 
 
 def premake(block_m, block_n):

@@ -15,7 +15,11 @@ from infini_dist.kernels.silu import silu_fp32
 
 
 def application(gate, up, output):
-    output = silu_fp32(ntl.cast(gate, ntl.float32)) * ntl.cast(up, ntl.float32)  # noqa: F841
+    gate32 = ntl.cast(gate, ntl.float32)
+    # A helper call must be a statement's whole right-hand side: ninetoothed 0.26 drops the
+    # inlined body of a call nested in an expression.
+    activated = silu_fp32(gate32)
+    output = activated * ntl.cast(up, ntl.float32)  # noqa: F841
 
 
 def premake(block_m, block_n):

@@ -86,6 +86,8 @@ class SiteRunner:
         self.has_collective = any(graph.nodes[a].op_type == "all_reduce" for a in site.anchors)
         self._committed: dict[tuple, Choice] = {}
         self._lock = threading.Lock()
+        self.last_tuning: dict | None = None  # set when this runner benchmarked
+        self.last_decision: dict | None = None  # set by tuning or by a cache hit
 
     def run(self, env: dict, group) -> dict:
         values = {name: env[name] for name in self.inputs}
@@ -171,6 +173,7 @@ class SiteRunner:
                 chosen = []
             if chosen:
                 log.debug("infini_dist: cache hit %s -> %s", key[:12], record["choice"])
+                self.last_decision = dict(record, source="cache")
                 return chosen[0]
             log.warning("infini_dist: cached choice %r is unavailable; tuning again",
                         record["choice"])
@@ -251,6 +254,7 @@ class SiteRunner:
         if (plane is None or plane.rank == 0) and s.enable_disk_cache:
             DECISIONS.write_disk(s.cache_dir, key, record)
         self.last_tuning = record
+        self.last_decision = dict(record, source="tuned")
         (log.warning if s.debug_mode else log.debug)(
             "infini_dist: committed %s for %s (%s)", mine, key[:12],
             ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(worst.items(), key=lambda x: x[1])))

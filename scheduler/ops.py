@@ -112,8 +112,11 @@ def _fp32(fn):
     return wrapped
 
 
-def all_reduce(*tensors, group=None, op: str = "sum"):
-    """Sum each tensor over the group. Several inputs form one coalesced collective."""
+def all_reduce(*tensors, group=None, op: str = "sum", group_name: str | None = None):
+    """Sum each tensor over the group. Several inputs form one coalesced collective.
+
+    `group_name` (an attr set by the compile pass) only names the group; the engine resolves it
+    into `group` before calling this."""
     if op != "sum":
         raise ValueError(f"all_reduce supports op='sum' only, got {op!r}")
     outs = []

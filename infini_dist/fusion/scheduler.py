@@ -299,7 +299,7 @@ class FusionScheduler:
         before = (DECISIONS.hits, DECISIONS.misses)
         try:
             outputs = entry.executor.run(inputs, group)
-        except (ControlPlaneError, engine.TuningError):
+        except (engine.TuningError,):
             # Verdicts the ranks reached together (or could not reach): never a local matter.
             raise
         except Exception as error:

@@ -1,0 +1,92 @@
+"""Eager deferred-choice ops: all_reduce fused with what follows it.
+
+Each call runs a small graph through the engine. The first call per shape signature tunes across
+the group (every rank of `group` must make the call, as with any collective); later calls go
+straight to the committed choice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import infini_dist
+from infini_dist.scheduler.engine import executor_for
+from infini_dist.scheduler.ir import OpNode, SubGraph
+
+
+@functools.cache
+def relu_scale_graph(scale: float) -> SubGraph:
+    return SubGraph((OpNode("all_reduce", ("x",), ("reduced",)),
+                     OpNode("relu", ("reduced",), ("activated",)),
+                     OpNode("scale", ("activated",), ("output",), {"scale": scale})),
+                    ("x",), ("output",))
+
+
+@functools.cache
+def add_rms_norm_graph(eps: float) -> SubGraph:
+    return SubGraph((OpNode("all_reduce", ("x",), ("reduced",)),
+                     OpNode("add_rms_norm", ("reduced", "residual", "weight"),
+                            ("output", "residual_out"), {"eps": eps})),
+                    ("x", "residual", "weight"), ("output", "residual_out"))
+
+
+@functools.cache
+def swiglu_graph() -> SubGraph:
+    # Two partial sums reduced side by side: with 'cross_subgraph' they become one collective.
+    return SubGraph((OpNode("all_reduce", ("gate",), ("gate_sum",)),
+                     OpNode("all_reduce", ("up",), ("up_sum",)),
+                     OpNode("swiglu", ("gate_sum", "up_sum"), ("output",))),
+                    ("gate", "up"), ("output",))
+
+
+_USED: dict[str, SubGraph] = {}
+
+
+def _run(name: str, graph: SubGraph, inputs: dict, group) -> dict:
+    for value_name, value in inputs.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: {value_name} must be a tensor, got {type(value).__name__}")
+    _USED[name] = graph
+    return executor_for(graph, infini_dist.config.snapshot()).run(inputs, group)
+
+
+def all_reduce_relu_scale(x: torch.Tensor, scale: float, group=None) -> torch.Tensor:
+    """relu(all_reduce(x)) * scale."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"all_reduce_relu_scale: scale must be a number, got {scale!r}")
+    return _run("all_reduce_relu_scale", relu_scale_graph(float(scale)), {"x": x}, group)["output"]
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float = 1e-6, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = all_reduce(x) + residual; returns (rms_norm(h) * weight, h)."""
+    if x.shape != residual.shape:
+        raise ValueError(f"all_reduce_add_rms_norm: x {tuple(x.shape)} and residual "
+                         f"{tuple(residual.shape)} differ in shape")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"all_reduce_add_rms_norm: weight must have shape {tuple(x.shape[-1:])}, "
+                         f"got {tuple(weight.shape)}")
+    out = _run("all_reduce_add_rms_norm", add_rms_norm_graph(float(eps)),
+               {"x": x, "residual": residual, "weight": weight}, group)
+    return out["output"], out["residual_out"]
+
+
+def all_reduce_swiglu(gate: torch.Tensor, up: torch.Tensor, group=None) -> torch.Tensor:
+    """silu(all_reduce(gate)) * all_reduce(up)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"all_reduce_swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} "
+                         f"differ in shape")
+    return _run("all_reduce_swiglu", swiglu_graph(), {"gate": gate, "up": up}, group)["output"]
+
+
+def decisions() -> list[dict]:
+    """What each op used so far decided, for reports: op, candidates, times, committed choice."""
+    rows = []
+    for name, graph in _USED.items():
+        executor = executor_for(graph, infini_dist.config.snapshot())
+        for runner in executor.site_runners():
+            if runner.last_decision is not None:
+                rows.append(dict(runner.last_decision, op=name))
+    return rows

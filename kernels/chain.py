@@ -1,0 +1,168 @@
+"""The chain format: a straight-line program of elementwise (and row-norm) steps that one generated
+kernel runs, read directly off engine nodes. Pure Python: `supports()` checks use it without
+importing Triton.
+
+Values live in numbered slots: the chain's input tensors first, then each step's results in order
+(add_rms_norm has two: normed, sum). A step names its op, the slots it reads and its attributes as
+Python literals (they are written into the generated kernel, so equal chains are equal values).
+`outputs` are the slots the kernel stores. Inputs are "row" tensors (the chain's shape, or
+broadcast to it) or "weight" tensors (a norm's 1-D weight over the last dim).
+
+    b = add(a, r); c = relu(b); d = scale(c, scale=0.5)          (engine nodes)
+    chain_from_nodes(nodes, inputs=("a", "r"), outputs=("d",)) ==
+    Chain(inputs=("row", "row"),
+          steps=(Step("add", (0, 1)), Step("relu", (2,)), Step("scale", (3,), (("scale", "0.5"),))),
+          outputs=(4,))
+
+A chain with a row-norm step runs whole rows per tile; one without runs flat elementwise tiles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ELEMENTWISE_OPS = {"add": 2, "mul": 2, "swiglu": 2, "scale": 1, "relu": 1, "silu": 1, "gelu": 1,
+                   "sigmoid": 1}
+ROWWISE_OPS = {"rms_norm": 2, "add_rms_norm": 3}
+NUM_RESULTS = {"add_rms_norm": 2}
+WEIGHT_OPERAND = {"rms_norm": 1, "add_rms_norm": 2}
+DEFAULT_ATTRS = {"scale": {"scale": 1.0}, "gelu": {"approximate": "none"},
+                 "rms_norm": {"eps": 1e-6}, "add_rms_norm": {"eps": 1e-6}}
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+class UnsupportedChain(ValueError):
+    """The nodes cannot run as one chain kernel (the caller falls back to something else)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    op: str
+    reads: tuple[int, ...]
+    attrs: tuple[tuple[str, str], ...] = ()
+
+    def attr(self, name: str) -> str:
+        return dict(self.attrs)[name]
+
+
+@dataclass(frozen=True)
+class Chain:
+    inputs: tuple[str, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.steps:
+            raise UnsupportedChain("a chain needs at least one step")
+        for kind in self.inputs:
+            if kind not in ("row", "weight"):
+                raise UnsupportedChain(f"input kind must be 'row' or 'weight', got {kind!r}")
+        defined = len(self.inputs)
+        for step in self.steps:
+            arity = {**ELEMENTWISE_OPS, **ROWWISE_OPS}.get(step.op)
+            if arity is None:
+                raise UnsupportedChain(f"op {step.op!r} has no chain kernel")
+            if len(step.reads) != arity:
+                raise UnsupportedChain(f"{step.op} reads {arity} values, got {len(step.reads)}")
+            for position, slot in enumerate(step.reads):
+                if not 0 <= slot < defined:
+                    raise UnsupportedChain(f"{step.op} reads slot {slot}, not yet defined")
+                as_weight = WEIGHT_OPERAND.get(step.op) == position
+                is_weight = slot < len(self.inputs) and self.inputs[slot] == "weight"
+                if as_weight != is_weight:
+                    raise UnsupportedChain(f"{step.op} operand {position} must be a "
+                                           f"{'weight input' if as_weight else 'row value'}")
+            defined += NUM_RESULTS.get(step.op, 1)
+        if not self.outputs:
+            raise UnsupportedChain("a chain must store at least one value")
+        for slot in self.outputs:
+            if not len(self.inputs) <= slot < defined:
+                raise UnsupportedChain(f"output slot {slot} is not a step result")
+
+    @property
+    def rowwise(self) -> bool:
+        return any(step.op in ROWWISE_OPS for step in self.steps)
+
+    def result_slots(self) -> list[tuple[int, ...]]:
+        """The slots each step defines, in step order."""
+        slots, next_slot = [], len(self.inputs)
+        for step in self.steps:
+            count = NUM_RESULTS.get(step.op, 1)
+            slots.append(tuple(range(next_slot, next_slot + count)))
+            next_slot += count
+        return slots
+
+    def output_dtypes(self, input_dtypes):
+        """Every result takes its step's first operand's dtype, as the op references do."""
+        dtypes = list(input_dtypes)
+        for step, slots in zip(self.steps, self.result_slots()):
+            dtypes.extend(dtypes[step.reads[0]] for _ in slots)
+        return [dtypes[slot] for slot in self.outputs]
+
+
+def _float_literal(op: str, name: str, value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnsupportedChain(f"{op}: attribute {name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (name == "eps" and value < 0):
+        raise UnsupportedChain(f"{op}: attribute {name}={value!r} is not supported")
+    return repr(value)  # exact: repr round-trips a float
+
+
+def step_attrs(op: str, attrs: dict) -> tuple[tuple[str, str], ...]:
+    """An op's attributes, defaults filled in, as the literals the generated kernel uses."""
+    defaults = DEFAULT_ATTRS.get(op, {})
+    unknown = set(attrs) - set(defaults)
+    if unknown:
+        raise UnsupportedChain(f"{op}: unsupported attribute(s) {sorted(unknown)}")
+    merged = {**defaults, **attrs}
+    literals = []
+    for name, value in sorted(merged.items()):
+        if name == "approximate":
+            if value not in GELU_APPROXIMATIONS:
+                raise UnsupportedChain(f"gelu: approximate={value!r} is not supported")
+            literals.append((name, value))
+        else:
+            literals.append((name, _float_literal(op, name, value)))
+    return tuple(literals)
+
+
+def chain_from_nodes(nodes, inputs, outputs) -> Chain:
+    """The chain computing `outputs` from `inputs` by running `nodes` (engine `OpNode`s) in order.
+
+    `inputs` names every value the nodes read but do not produce; raises UnsupportedChain for
+    nodes that do not map onto the chain kernel."""
+    inputs, outputs = tuple(inputs), tuple(outputs)
+    slot_of = {name: slot for slot, name in enumerate(inputs)}
+    if len(slot_of) != len(inputs):
+        raise UnsupportedChain(f"inputs {inputs} name a value twice")
+    kinds = ["row"] * len(inputs)
+    steps = []
+    next_slot = len(inputs)
+    for node in nodes:
+        if node.op_type not in ELEMENTWISE_OPS and node.op_type not in ROWWISE_OPS:
+            raise UnsupportedChain(f"op {node.op_type!r} has no chain kernel")
+        reads = []
+        for position, name in enumerate(node.inputs):
+            if name not in slot_of:
+                raise UnsupportedChain(f"{node.op_type} reads {name!r}, which is neither a chain "
+                                       f"input nor produced earlier")
+            slot = slot_of[name]
+            if WEIGHT_OPERAND.get(node.op_type) == position:
+                if slot >= len(inputs):
+                    raise UnsupportedChain(f"{node.op_type}: the weight {name!r} must be an "
+                                           f"input, not a computed value")
+                kinds[slot] = "weight"
+            reads.append(slot)
+        if len(node.outputs) != NUM_RESULTS.get(node.op_type, 1):
+            raise UnsupportedChain(f"{node.op_type} defines {NUM_RESULTS.get(node.op_type, 1)} "
+                                   f"value(s), got {len(node.outputs)}")
+        steps.append(Step(node.op_type, tuple(reads), step_attrs(node.op_type, node.attr_dict)))
+        for name in node.outputs:
+            slot_of[name] = next_slot
+            next_slot += 1
+    missing = [name for name in outputs if name not in slot_of]
+    if missing:
+        raise UnsupportedChain(f"outputs {missing} are never produced")
+    return Chain(tuple(kinds), tuple(steps), tuple(slot_of[name] for name in outputs))

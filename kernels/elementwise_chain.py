@@ -1,0 +1,142 @@
+"""Any chain of elementwise ops (optionally with row norms) as ONE kernel: one read of every
+input, one write of every output, fp32 in between, one rounding per stored value.
+
+Unfused torch, for the chain add -> relu -> scale(0.5) (see `infini_dist.kernels.chain`):
+    b = (a.float() + r.float()).to(a.dtype); c = torch.relu(b)
+    out = (c.float() * 0.5).to(a.dtype)
+
+The chain's application is generated Python (ninetoothed applications are Python functions, read
+back with `inspect.getsource`, so the source is registered with linecache), one per chain and
+tile width, and calls the per-op helpers of the single-op kernels, which ninetoothed inlines.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import linecache
+
+import ninetoothed.language as ntl
+import torch
+from ninetoothed import Tensor
+
+from infini_dist.kernels import nt_runtime
+from infini_dist.kernels.chain import Chain
+from infini_dist.kernels.gelu import gelu_erf_fp32, gelu_tanh_fp32
+from infini_dist.kernels.relu import relu_fp32
+from infini_dist.kernels.rms_norm import rms_normalize_fp32
+from infini_dist.kernels.rows import (arrangement, as_rows, broadcast_shape, check_dtypes,
+                                      elementwise_views, num_warps, output, row_blocks)
+from infini_dist.kernels.sigmoid import sigmoid_fp32
+from infini_dist.kernels.silu import silu_fp32
+
+_HELPERS = {"relu_fp32": relu_fp32, "silu_fp32": silu_fp32, "sigmoid_fp32": sigmoid_fp32,
+            "gelu_erf_fp32": gelu_erf_fp32, "gelu_tanh_fp32": gelu_tanh_fp32,
+            "rms_normalize_fp32": rms_normalize_fp32}
+
+
+def _step_code(step, args, results):
+    """Statements computing one step. Every helper call is a whole right-hand side: ninetoothed
+    0.26 drops the inlined body of a call nested inside an expression."""
+    a = args[0]
+    out = results[0]
+    op = step.op
+    if op == "add":
+        return [f"{out} = {a} + {args[1]}"]
+    if op == "mul":
+        return [f"{out} = {a} * {args[1]}"]
+    if op == "scale":
+        return [f"{out} = {a} * {step.attr('scale')}"]
+    if op in ("relu", "silu", "sigmoid"):
+        return [f"{out} = {op}_fp32({a})"]
+    if op == "gelu":
+        helper = "gelu_tanh_fp32" if step.attr("approximate") == "tanh" else "gelu_erf_fp32"
+        return [f"{out} = {helper}({a})"]
+    if op == "swiglu":
+        return [f"{out}_gate = silu_fp32({a})", f"{out} = {out}_gate * {args[1]}"]
+    if op == "rms_norm":
+        return [f"{out}_in = ntl.where(in_row, {a}, 0.0)",
+                f"{out} = rms_normalize_fp32({out}_in, {args[1]}, {step.attr('eps')}, num_cols)"]
+    if op == "add_rms_norm":
+        total = results[1]
+        return [f"{total} = {a} + {args[1]}",
+                f"{out}_in = ntl.where(in_row, {total}, 0.0)",
+                f"{out} = rms_normalize_fp32({out}_in, {args[2]}, {step.attr('eps')}, num_cols)"]
+    raise ValueError(f"no code for op {op!r}")
+
+
+def application_source(chain: Chain, block_n: int | None) -> str:
+    inputs = [f"in_{i}" for i in range(len(chain.inputs))]
+    outputs = [f"out_{i}" for i in range(len(chain.outputs))]
+    params = inputs + (["num_cols"] if chain.rowwise else []) + outputs
+    body = [f"v_{i} = ntl.cast({name}, ntl.float32)" for i, name in enumerate(inputs)]
+    if chain.rowwise:
+        # Lanes past the row end hold whatever the steps made of zeros; the sums must skip them.
+        body.append(f"in_row = ntl.arange(0, {block_n})[None, :] < num_cols")
+    for step, slots in zip(chain.steps, chain.result_slots()):
+        body += _step_code(step, [f"v_{s}" for s in step.reads], [f"v_{s}" for s in slots])
+    body += [f"{name} = v_{slot}" for name, slot in zip(outputs, chain.outputs)]
+    lines = [f"def chain_application({', '.join(params)}):"] + [f"    {line}" for line in body]
+    return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def _application(chain: Chain, block_n: int | None):
+    source = application_source(chain, block_n)
+    filename = f"<infini_dist chain {hashlib.sha256(source.encode()).hexdigest()[:16]}>"
+    # ninetoothed reads the application back with inspect.getsource.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"ntl": ntl, **_HELPERS}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["chain_application"]
+
+
+def premake(chain: Chain, block_m: int, block_n: int):
+    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
+    if chain.rowwise:
+        tensors = ([Tensor(2 if kind == "row" else 1, other=0.0) for kind in chain.inputs]
+                   + [Tensor(0)] + [Tensor(2) for _ in chain.outputs])
+        application = _application(chain, block_n)
+    else:
+        tensors = [Tensor(2) for _ in chain.inputs] + [Tensor(2) for _ in chain.outputs]
+        application = _application(chain, None)
+    return arrangement_, application, tuple(tensors)
+
+
+@functools.cache
+def make(chain: Chain, block_m: int, block_n: int, num_warps: int):
+    return nt_runtime.make(premake(chain, block_m, block_n), num_warps)
+
+
+def elementwise_chain(chain: Chain, *inputs: torch.Tensor, outs=None) -> list[torch.Tensor]:
+    """Run `chain` on `inputs` (one tensor per input slot). Returns one tensor per chain output,
+    of the row inputs' broadcast shape; `outs` may give some or all of them (None: allocate)."""
+    if len(inputs) != len(chain.inputs):
+        raise ValueError(f"the chain takes {len(chain.inputs)} inputs, got {len(inputs)}")
+    check_dtypes(*inputs)
+    rows_in = [t for t, kind in zip(inputs, chain.inputs) if kind == "row"]
+    if not rows_in:
+        raise ValueError("the chain reads no row input")
+    shape = broadcast_shape(rows_in)
+    device = rows_in[0].device
+    outs = list(outs) if outs is not None else [None] * len(chain.outputs)
+    if len(outs) != len(chain.outputs):
+        raise ValueError(f"the chain stores {len(chain.outputs)} outputs, got {len(outs)} outs")
+    dtypes = chain.output_dtypes([t.dtype for t in inputs])
+    outs = [output(o, shape, d, device, f"outs[{i}]") for i, (o, d) in enumerate(zip(outs, dtypes))]
+    if shape.numel() == 0:
+        return outs
+    if not chain.rowwise:
+        views, block_m, block_n = elementwise_views(inputs, outs, shape)
+        make(chain, block_m, block_n, num_warps(block_m, block_n))(*views)
+        return outs
+    cols = shape[-1] if len(shape) else 1
+    args = []
+    for t, kind in zip(inputs, chain.inputs):
+        if kind == "weight" and tuple(t.shape) != (cols,):
+            raise ValueError(f"a weight has shape {tuple(t.shape)}, expected ({cols},)")
+        args.append(as_rows(t, shape) if kind == "row" else t)
+    out_views = [as_rows(o, shape, written=True) for o in outs]
+    block_m, block_n = row_blocks(args[chain.inputs.index("row")].shape[0], cols)
+    make(chain, block_m, block_n, num_warps(block_m, block_n))(*args, cols, *out_views)
+    return outs

@@ -1,0 +1,150 @@
+"""`nccl+nt_epilogue`: one NCCL all_reduce, then its whole epilogue as ONE ninetoothed kernel.
+
+Unfused torch (the epilogue here: add -> rms_norm):
+    y = x.clone(); dist.all_reduce(y, group=group)
+    h = y + residual; out = rms_norm(h, weight, eps)        # one kernel launch per op
+
+The epilogue nodes become a chain (`infini_dist.kernels.chain`): any run of elementwise ops, with
+rms_norm / add_rms_norm anywhere in it, reading the reduced value and side tensors. The kernel
+writes only the span's live outputs; when the reduced value itself is not one of them, its buffer
+takes one of the outputs in place (no extra allocation). Tile shapes depend on shapes alone, so
+every rank runs the same kernel and gets bitwise the same result from the same reduced input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from infini_dist.kernels.chain import Chain, UnsupportedChain, chain_from_nodes
+from infini_dist.kernels.rows import FLOAT_DTYPES, MAX_ROW_BLOCK, next_power_of_2
+from infini_dist.scheduler.choices import Algorithm
+from infini_dist.scheduler.ir import external_inputs
+
+_INT32_LIMIT = 1 << 31
+
+
+class _Plan(NamedTuple):
+    source: str  # the all_reduce input
+    reduced: str  # the all_reduce output
+    chain: Chain
+    chain_inputs: tuple[str, ...]  # the reduced value first
+    chain_outputs: tuple[str, ...]
+    returns_reduced: bool  # the reduced value is itself a span output
+    in_place: int | None  # which chain output may be written into the reduced buffer
+
+
+def _meta(meta, name):
+    if name not in meta:
+        raise UnsupportedChain(f"no tensor metadata for {name!r}")
+    return meta[name]
+
+
+def plan(span, meta) -> _Plan:
+    """How to run `span`; raises UnsupportedChain when this algorithm cannot."""
+    graph = span.graph
+    if span.prologue or len(span.anchors) != 1 or not span.epilogue:
+        raise UnsupportedChain("needs one all_reduce, no prologue and at least one epilogue node")
+    anchor = graph.nodes[span.anchors[0]]
+    if anchor.op_type != "all_reduce" or len(anchor.inputs) != 1:
+        raise UnsupportedChain("the anchor must be a single (not coalesced) all_reduce")
+    if anchor.attr("op", "sum") != "sum":
+        raise UnsupportedChain(f"all_reduce op {anchor.attr('op')!r} is not 'sum'")
+    source, reduced = anchor.inputs[0], anchor.outputs[0]
+    side = tuple(n for n in external_inputs(graph, span.epilogue) if n != reduced)
+    chain_inputs = (reduced,) + side
+    returns_reduced = reduced in span.outputs
+    chain_outputs = tuple(n for n in span.outputs if n != reduced)
+    chain = chain_from_nodes(span.nodes(span.epilogue), chain_inputs, chain_outputs)
+
+    anchor_meta = _meta(meta, reduced)
+    shape = tuple(anchor_meta.shape)
+    numel = 1
+    for size in shape:
+        numel *= size
+    if not 0 < numel < _INT32_LIMIT:
+        raise UnsupportedChain(f"{numel} elements is outside (0, 2**31)")
+    cols = shape[-1] if shape else 1
+    if chain.rowwise and next_power_of_2(cols) > MAX_ROW_BLOCK:
+        raise UnsupportedChain(f"rows of {cols} elements are too long for one tile")
+    produced = [n for i in span.epilogue for n in graph.nodes[i].outputs]
+    for name in (source,) + chain_inputs + tuple(produced):
+        m = _meta(meta, name)
+        if m.dtype not in FLOAT_DTYPES:
+            raise UnsupportedChain(f"{name!r} is {m.dtype}; needs float16, bfloat16 or float32")
+        if m.device != anchor_meta.device:
+            raise UnsupportedChain(f"{name!r} is on {m.device}, the reduction on "
+                                   f"{anchor_meta.device}")
+    for name in produced:
+        if tuple(meta[name].shape) != shape:
+            raise UnsupportedChain(f"{name!r} has shape {tuple(meta[name].shape)}, not {shape}")
+    for name, kind in zip(chain_inputs, chain.inputs):
+        side_shape = tuple(meta[name].shape)
+        if kind == "weight" and side_shape != (cols,):
+            raise UnsupportedChain(f"weight {name!r} has shape {side_shape}, not ({cols},)")
+        try:
+            broadcast = tuple(torch.broadcast_shapes(side_shape, shape))
+        except RuntimeError:
+            broadcast = None
+        if kind == "row" and broadcast != shape:
+            raise UnsupportedChain(f"{name!r} of shape {side_shape} does not broadcast to {shape}")
+    dtypes = chain.output_dtypes([meta[n].dtype for n in chain_inputs])
+    if dtypes != [meta[n].dtype for n in chain_outputs]:
+        raise UnsupportedChain("output dtypes differ from the references'")
+    in_place = None
+    if not returns_reduced:
+        in_place = next((i for i, d in enumerate(dtypes) if d == anchor_meta.dtype), None)
+    return _Plan(source, reduced, chain, chain_inputs, chain_outputs, returns_reduced, in_place)
+
+
+def _on(device: torch.device):
+    # Triton launches on the current device, and the engine compiles in worker threads.
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class NcclEpilogueAlgorithm(Algorithm):
+    name = "nccl+nt_epilogue"
+
+    def supports(self, span, meta, ctx) -> bool:
+        if ctx.device.type != "cuda":
+            return False
+        try:
+            p = plan(span, meta)
+        except UnsupportedChain:
+            return False
+        return meta[p.reduced].device.type == "cuda"
+
+    def compile(self, span, meta, ctx):
+        p = plan(span, meta)
+        from infini_dist.kernels.elementwise_chain import elementwise_chain
+        device = meta[p.reduced].device
+        group = ctx.group
+
+        def run(env):
+            with _on(device):
+                reduced = env[p.source].clone(memory_format=torch.contiguous_format)
+                dist.all_reduce(reduced, group=group)
+                inputs = [reduced if n == p.reduced else env[n] for n in p.chain_inputs]
+                outs = [None] * len(p.chain_outputs)
+                if p.in_place is not None:
+                    outs[p.in_place] = reduced
+                results = elementwise_chain(p.chain, *inputs, outs=outs)
+            values = dict(zip(p.chain_outputs, results))
+            if p.returns_reduced:
+                values[p.reduced] = reduced
+            return values
+
+        # Build and compile the kernel now, by one run on scratch tensors (no collective).
+        with _on(device):
+            scratch = [torch.empty(meta[n].shape, dtype=meta[n].dtype, device=device)
+                       for n in p.chain_inputs]
+            outs = [None] * len(p.chain_outputs)
+            if p.in_place is not None:
+                outs[p.in_place] = scratch[0]
+            elementwise_chain(p.chain, *scratch, outs=outs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return run

@@ -1,0 +1,129 @@
+"""Symmetric buffers for our all-reduce kernels: allocated and rendezvoused once, then reused.
+
+One buffer per (group, device, kind, size class). A kind ('one_shot', 'two_shot') has its own
+buffers because the kernels' reuse arguments hold only between launches of the same protocol.
+Each allocation is laid out as
+
+    [ flags: MAX_PROGRAMS x world_size int32 | call counters: MAX_PROGRAMS int32 | pad | data ]
+
+The flags and counters are zeroed before the rendezvous, which is collective: once it returns on
+any rank, every rank has zeroed its own.
+
+Allocation is collective and blocks the host, so it must happen on every rank in the same order
+and never inside a CUDA-graph capture (allocating during capture silently corrupts memory). The
+algorithms call `get_buffer` lazily from their first run, which the engine makes in lockstep on
+all ranks and eagerly; a capture that would need a new buffer raises instead.
+
+Launches on one buffer must be ordered on one stream: the kernels' reuse arguments rely on a
+launch starting only after the previous one on that buffer has finished.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from infini_dist.kernels.symm_chain import MAX_PROGRAMS
+
+MIN_CLASS_BYTES = 1 << 20
+_DATA_ALIGN = 256
+
+
+@dataclass
+class SymmBuffer:
+    storage: torch.Tensor       # this rank's allocation (uint8), header included
+    data_table: torch.Tensor    # int64 [world_size] on the device: each rank's data address
+    signal_table: torch.Tensor  # int64 [world_size]: each rank's flag address
+    epoch: torch.Tensor         # int32 [MAX_PROGRAMS]: this rank's call counters
+    rank: int
+    world_size: int
+    data_bytes: int
+    handle: object = None       # the torch symmetric-memory handle (keeps the mapping alive)
+
+
+def header_bytes(world_size: int) -> int:
+    used = MAX_PROGRAMS * (world_size + 1) * 4
+    return -(-used // _DATA_ALIGN) * _DATA_ALIGN
+
+
+def _from_addresses(storage, bases, rank, world_size, data_bytes, handle=None) -> SymmBuffer:
+    header = header_bytes(world_size)
+    device = storage.device
+    signals = torch.tensor(bases, dtype=torch.int64, device=device)
+    data = torch.tensor([b + header for b in bases], dtype=torch.int64, device=device)
+    flags_end = MAX_PROGRAMS * world_size * 4
+    epoch = storage[flags_end:flags_end + MAX_PROGRAMS * 4].view(torch.int32)
+    return SymmBuffer(storage, data, signals, epoch, rank, world_size, data_bytes, handle)
+
+
+def from_peer_tensors(storages: list, rank: int) -> SymmBuffer:
+    """A buffer over tensors all mapped in this process (tests: shared CPU memory standing in
+    for symmetric memory). Each tensor is uint8 with a zeroed header."""
+    world_size = len(storages)
+    nbytes = min(s.numel() for s in storages)
+    return _from_addresses(storages[rank], [s.data_ptr() for s in storages], rank, world_size,
+                           nbytes - header_bytes(world_size))
+
+
+def _group_name(group) -> str:
+    return (group or dist.group.WORLD).group_name
+
+
+def allocate(group, device: torch.device, data_bytes: int) -> SymmBuffer:
+    """Collective over `group`: allocate and rendezvous one buffer with `data_bytes` of data."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("infini_dist: a symmetric buffer must be allocated before CUDA-graph "
+                           "capture; run the op once eagerly (on every rank) before capturing")
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    header = header_bytes(world_size)
+    with torch.cuda.device(device):
+        storage = symm_mem.empty(header + data_bytes, dtype=torch.uint8, device=device)
+        storage[:header].zero_()
+        torch.cuda.synchronize(device)
+        handle = symm_mem.rendezvous(storage, _group_name(group))
+        if handle.rank != rank or handle.world_size != world_size:
+            raise RuntimeError(f"infini_dist: symmetric-memory handle is rank {handle.rank} of "
+                               f"{handle.world_size}, the group says {rank} of {world_size}")
+        offset = storage.data_ptr() - handle.buffer_ptrs[rank]
+        offsets = [None] * world_size
+        dist.all_gather_object(offsets, offset, group=group)
+    if len(set(offsets)) != 1 or offset < 0 or offset + header + data_bytes > handle.buffer_size:
+        raise RuntimeError(f"infini_dist: symmetric tensors sit at different offsets on the "
+                           f"ranks ({offsets}); cannot address peers")
+    bases = [base + offset for base in handle.buffer_ptrs]
+    return _from_addresses(storage, bases, rank, world_size, data_bytes, handle)
+
+
+_BUFFERS: dict[tuple, list[SymmBuffer]] = {}
+_LOCK = threading.Lock()
+
+
+def size_class(data_bytes: int) -> int:
+    return max(MIN_CLASS_BYTES, 1 << (max(1, data_bytes) - 1).bit_length())
+
+
+def get_buffer(group, device: torch.device, kind: str, data_bytes: int) -> SymmBuffer:
+    """The smallest cached buffer of this (group, device, kind) that holds `data_bytes`, else a
+    new one of the next size class. Every rank holds the same buffers after the same calls, so
+    every rank picks the same one."""
+    key = (_group_name(group), torch.device(device), kind)
+    with _LOCK:
+        for buffer in _BUFFERS.get(key, ()):
+            if buffer.data_bytes >= data_bytes:
+                return buffer
+        buffer = allocate(group, torch.device(device), size_class(data_bytes))
+        _BUFFERS.setdefault(key, []).append(buffer)
+        _BUFFERS[key].sort(key=lambda b: b.data_bytes)
+        return buffer
+
+
+def cached_buffers() -> dict:
+    """(group name, device, kind) -> data sizes in bytes; for tests and reports."""
+    with _LOCK:
+        return {key: [b.data_bytes for b in buffers] for key, buffers in _BUFFERS.items()}

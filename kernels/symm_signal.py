@@ -1,0 +1,70 @@
+"""Device helpers shared by the symmetric-memory kernels: peer pointers and a block barrier.
+
+Every rank's buffer holds one int32 flag per (program slot, source rank). A flag is a counting
+semaphore: the source adds 1 with a system-scope release after its stores, the owner waits until
+it is non-zero and subtracts 1 with an acquire. Counting (rather than set/clear) makes a barrier
+reusable at once: a rank that runs ahead into its next barrier only raises the count, and its
+n-th arrival always pairs with the owner's n-th wait, so the flags never need a reset and a
+CUDA-graph replay sees the same protocol as an eager call.
+
+Program b on one rank pairs only with program b on its peers, so every rank must launch the
+same grid (the host code derives it from shapes alone).
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+# A wait longer than this traps the kernel: a peer that never arrives becomes a CUDA error in
+# every process instead of a silent hang. Generous, since a peer may be late for host reasons.
+SPIN_TIMEOUT_NS = int(float(os.environ.get("INFINI_DIST_SYMM_TIMEOUT_S", "300")) * 1e9)
+
+
+@triton.jit
+def peer_pointer(table, peer, dtype: tl.constexpr):
+    """The address `table[peer]` as a pointer to `dtype`; the host keeps it 16-byte aligned, which
+    lets loads and stores through it be vectorised."""
+    address = tl.load(table + peer)
+    return tl.multiple_of(address.to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _trap():
+    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def block_barrier(signal_table, rank, slot, timeout_ns, WORLD_SIZE: tl.constexpr,
+                  WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+    """Program `slot` of every rank arrives here before any of them goes on. Writes made before
+    it (by any thread of the program, to any rank's memory) are visible after it."""
+    # All threads' stores are issued before one thread per peer releases them.
+    tl.debug_barrier()
+    peers = tl.arange(0, WS_P2)
+    valid = peers < WORLD_SIZE
+    first_flag = slot * WORLD_SIZE
+    remote = tl.load(signal_table + peers, mask=valid, other=0).to(tl.pointer_type(tl.int32))
+    tl.atomic_add(remote + first_flag + rank, 1, mask=valid, sem="release", scope="sys")
+    mine = tl.load(signal_table + rank).to(tl.pointer_type(tl.int32)) + first_flag + peers
+    arrived = tl.load(mine, mask=valid, other=1, volatile=True)
+    if ON_GPU:
+        started = _globaltimer()
+    while tl.min(arrived, 0) == 0:
+        if ON_GPU:
+            if _globaltimer() - started > timeout_ns:
+                _trap()
+        arrived = tl.load(mine, mask=valid, other=1, volatile=True)
+    # The acquiring decrement reads the releasing increment: peers' writes are now visible.
+    tl.atomic_add(mine, -1, mask=valid, sem="acquire", scope="sys")
+    tl.debug_barrier()
+
+
+def world_size_pow2(world_size: int) -> int:
+    return max(2, triton.next_power_of_2(world_size))

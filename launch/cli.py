@@ -1,0 +1,45 @@
+"""`infini-dist`: start the demo or the benchmark under torchrun, one rank per GPU (or 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}  # never multicast: it can take a shared host's GPUs down
+
+
+def default_nproc() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def torchrun(module: str, nproc: int, args: list[str]) -> int:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", module, *args]
+    env = dict(os.environ)
+    env.update(SAFE_ENV)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(command, env=env)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="infini-dist", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in [("demo", "run the tensor-parallel demo block"),
+                            ("bench", "run the collective + epilogue benchmark sweep")]:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--nproc", type=int, default=None,
+                       help="ranks to start (default: one per GPU, or 2 on CPU)")
+    args, rest = parser.parse_known_args(argv)
+    nproc = args.nproc or default_nproc()
+    if nproc < 1:
+        parser.error("--nproc must be >= 1")
+    module = {"demo": "infini_dist.launch.demo", "bench": "infini_dist.launch.bench"}[args.command]
+    return torchrun(module, nproc, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
