@@ -38,7 +38,7 @@ def make(block_m, block_n, num_warps):
 def add_rms_norm(x, residual, weight, eps=1e-6, out=None, residual_out=None):
     """Returns (normed, x + residual), both of x's shape and dtype."""
     check_dtypes(x, residual)
-    shape = broadcast_shape((x, residual))
+    shape = broadcast_shape((x.shape, residual.shape))
     if tuple(shape) != tuple(x.shape):
         raise ValueError(f"residual of shape {tuple(residual.shape)} would change x's shape "
                          f"{tuple(x.shape)}")

@@ -26,7 +26,8 @@ from infini_dist.kernels.gelu import gelu_erf_fp32, gelu_tanh_fp32
 from infini_dist.kernels.relu import relu_fp32
 from infini_dist.kernels.rms_norm import rms_normalize_fp32
 from infini_dist.kernels.rows import (arrangement, as_rows, broadcast_shape, check_dtypes,
-                                      elementwise_views, num_warps, output, row_blocks)
+                                      check_float_dtypes, elementwise_views, num_warps, output,
+                                      row_blocks)
 from infini_dist.kernels.sigmoid import sigmoid_fp32
 from infini_dist.kernels.silu import silu_fp32
 
@@ -108,35 +109,61 @@ def make(chain: Chain, block_m: int, block_n: int, num_warps: int):
     return nt_runtime.make(premake(chain, block_m, block_n), num_warps)
 
 
-def elementwise_chain(chain: Chain, *inputs: torch.Tensor, outs=None) -> list[torch.Tensor]:
-    """Run `chain` on `inputs` (one tensor per input slot). Returns one tensor per chain output,
-    of the row inputs' broadcast shape; `outs` may give some or all of them (None: allocate)."""
-    if len(inputs) != len(chain.inputs):
-        raise ValueError(f"the chain takes {len(chain.inputs)} inputs, got {len(inputs)}")
-    check_dtypes(*inputs)
-    rows_in = [t for t, kind in zip(inputs, chain.inputs) if kind == "row"]
+def prepare(chain: Chain, input_shapes, input_dtypes):
+    """Everything about running `chain` that depends only on its inputs' shapes and dtypes (checks,
+    output dtypes, tile shape, the kernel). Returns `launch(inputs, outs=None) -> outputs` for
+    inputs of exactly those shapes; `outs` may give some outputs (None entries: allocate)."""
+    input_shapes = [tuple(shape) for shape in input_shapes]
+    if len(input_shapes) != len(chain.inputs):
+        raise ValueError(f"the chain takes {len(chain.inputs)} inputs, got {len(input_shapes)}")
+    check_float_dtypes(input_dtypes)
+    rows_in = [s for s, kind in zip(input_shapes, chain.inputs) if kind == "row"]
     if not rows_in:
         raise ValueError("the chain reads no row input")
     shape = broadcast_shape(rows_in)
-    device = rows_in[0].device
-    outs = list(outs) if outs is not None else [None] * len(chain.outputs)
-    if len(outs) != len(chain.outputs):
-        raise ValueError(f"the chain stores {len(chain.outputs)} outputs, got {len(outs)} outs")
-    dtypes = chain.output_dtypes([t.dtype for t in inputs])
-    outs = [output(o, shape, d, device, f"outs[{i}]") for i, (o, d) in enumerate(zip(outs, dtypes))]
-    if shape.numel() == 0:
-        return outs
-    if not chain.rowwise:
-        views, block_m, block_n = elementwise_views(inputs, outs, shape)
-        make(chain, block_m, block_n, num_warps(block_m, block_n))(*views)
-        return outs
     cols = shape[-1] if len(shape) else 1
-    args = []
-    for t, kind in zip(inputs, chain.inputs):
-        if kind == "weight" and tuple(t.shape) != (cols,):
-            raise ValueError(f"a weight has shape {tuple(t.shape)}, expected ({cols},)")
-        args.append(as_rows(t, shape) if kind == "row" else t)
-    out_views = [as_rows(o, shape, written=True) for o in outs]
-    block_m, block_n = row_blocks(args[chain.inputs.index("row")].shape[0], cols)
-    make(chain, block_m, block_n, num_warps(block_m, block_n))(*args, cols, *out_views)
-    return outs
+    for s, kind in zip(input_shapes, chain.inputs):
+        if kind == "weight" and s != (cols,):
+            raise ValueError(f"a weight has shape {s}, expected ({cols},)")
+    dtypes = chain.output_dtypes(input_dtypes)
+    kinds, rowwise = chain.inputs, chain.rowwise
+    first_row = kinds.index("row")
+    kernels = {}
+
+    def kernel_for(block_m, block_n):
+        kernel = kernels.get((block_m, block_n))
+        if kernel is None:
+            kernel = kernels[block_m, block_n] = make(chain, block_m, block_n,
+                                                      num_warps(block_m, block_n))
+        return kernel
+
+    if rowwise and shape.numel():
+        rows_kernel = kernel_for(*row_blocks(shape.numel() // cols, cols))
+
+    def launch(inputs, outs=None):
+        if [tuple(t.shape) for t in inputs] != input_shapes:
+            raise ValueError(f"inputs of shapes {[tuple(t.shape) for t in inputs]}; this launch "
+                             f"was prepared for {input_shapes}")
+        outs = [output(o, shape, d, inputs[first_row].device, f"outs[{i}]")
+                for i, (o, d) in enumerate(zip(outs or [None] * len(dtypes), dtypes))]
+        if shape.numel() == 0:
+            return outs
+        if not rowwise:
+            views, block_m, block_n = elementwise_views(inputs, outs, shape)
+            kernel_for(block_m, block_n)(*views)
+            return outs
+        args = [as_rows(t, shape) if kind == "row" else t for t, kind in zip(inputs, kinds)]
+        rows_kernel(*args, cols, *[as_rows(o, shape, written=True) for o in outs])
+        return outs
+
+    return launch
+
+
+def elementwise_chain(chain: Chain, *inputs: torch.Tensor, outs=None) -> list[torch.Tensor]:
+    """Run `chain` on `inputs` (one tensor per input slot). Returns one tensor per chain output,
+    of the row inputs' broadcast shape; `outs` may give some or all of them (None: allocate)."""
+    check_dtypes(*inputs)
+    launch = prepare(chain, [t.shape for t in inputs], [t.dtype for t in inputs])
+    if outs is not None and len(outs) != len(chain.outputs):
+        raise ValueError(f"the chain stores {len(chain.outputs)} outputs, got {len(outs)} outs")
+    return launch(inputs, outs)

@@ -119,9 +119,12 @@ class NcclEpilogueAlgorithm(Algorithm):
 
     def compile(self, span, meta, ctx):
         p = plan(span, meta)
-        from infini_dist.kernels.elementwise_chain import elementwise_chain
+        from infini_dist.kernels.elementwise_chain import prepare
         device = meta[p.reduced].device
         group = ctx.group
+        with _on(device):  # builds the kernel
+            launch = prepare(p.chain, [meta[n].shape for n in p.chain_inputs],
+                             [meta[n].dtype for n in p.chain_inputs])
 
         def run(env):
             with _on(device):
@@ -131,20 +134,20 @@ class NcclEpilogueAlgorithm(Algorithm):
                 outs = [None] * len(p.chain_outputs)
                 if p.in_place is not None:
                     outs[p.in_place] = reduced
-                results = elementwise_chain(p.chain, *inputs, outs=outs)
+                results = launch(inputs, outs)
             values = dict(zip(p.chain_outputs, results))
             if p.returns_reduced:
                 values[p.reduced] = reduced
             return values
 
-        # Build and compile the kernel now, by one run on scratch tensors (no collective).
+        # Compile now, by one launch on scratch tensors (no collective), the same way `run` will.
         with _on(device):
-            scratch = [torch.empty(meta[n].shape, dtype=meta[n].dtype, device=device)
+            scratch = [torch.ones(meta[n].shape, dtype=meta[n].dtype, device=device)
                        for n in p.chain_inputs]
             outs = [None] * len(p.chain_outputs)
             if p.in_place is not None:
                 outs[p.in_place] = scratch[0]
-            elementwise_chain(p.chain, *scratch, outs=outs)
+            launch(scratch, outs)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         return run

@@ -38,6 +38,7 @@ def one_shot_all_reduce_kernel(
     # An item is a row (NORM) or a BLOCK-long chunk; program p owns items p, p + grid, ...
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    first_item = pid.to(tl.int64)  # int64 loop: offsets of big tensors overflow int32
     items = tl.cdiv(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
     column = tl.arange(0, BLOCK)
@@ -45,8 +46,8 @@ def one_shot_all_reduce_kernel(
     half = (calls % 2).to(tl.int64) * WORLD_SIZE * slot_stride
     mine = half + rank * slot_stride
 
-    for item in range(pid, items, programs):
-        start = item.to(tl.int64) * ITEM
+    for item in range(first_item, items, programs):
+        start = item * ITEM
         index = start + column
         mask = (column < ITEM) & (index < numel)
         x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
@@ -59,8 +60,8 @@ def one_shot_all_reduce_kernel(
     block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
 
     local = peer_pointer(data_table, rank, dtype) + half
-    for item in range(pid, items, programs):
-        start = item.to(tl.int64) * ITEM
+    for item in range(first_item, items, programs):
+        start = item * ITEM
         index = start + column
         mask = (column < ITEM) & (index < numel)
         total = tl.zeros([BLOCK], dtype=tl.float32)

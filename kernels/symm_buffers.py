@@ -127,3 +127,14 @@ def cached_buffers() -> dict:
     """(group name, device, kind) -> data sizes in bytes; for tests and reports."""
     with _LOCK:
         return {key: [b.data_bytes for b in buffers] for key, buffers in _BUFFERS.items()}
+
+
+def local_scratch(world_size: int, rank: int, data_bytes: int, device) -> SymmBuffer:
+    """A buffer whose every 'peer' is this rank's own scratch memory, with flags pre-raised so
+    that no barrier waits: one launch on it compiles and runs a kernel with no cross-rank
+    traffic (the compile step's warm-up). Its data come out meaningless."""
+    header = header_bytes(world_size)
+    storage = torch.zeros(header + data_bytes, dtype=torch.uint8, device=device)
+    storage[:MAX_PROGRAMS * world_size * 4].view(torch.int32).fill_(4)
+    bases = [storage.data_ptr()] * world_size
+    return _from_addresses(storage, bases, rank, world_size, data_bytes)

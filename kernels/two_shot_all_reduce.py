@@ -42,6 +42,7 @@ def two_shot_all_reduce_kernel(
         WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    first_item = pid.to(tl.int64)  # int64 loop: offsets of big tensors overflow int32
     items = tl.cdiv(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
     sub = tl.arange(0, SUB_BLOCK)
@@ -49,8 +50,8 @@ def two_shot_all_reduce_kernel(
     stage_stride = items.to(tl.int64) * SUB
     gathered = WORLD_SIZE * stage_stride
 
-    for item in range(pid, items, programs):
-        start = item.to(tl.int64) * ITEM
+    for item in range(first_item, items, programs):
+        start = item * ITEM
         for step in tl.static_range(WORLD_SIZE):
             owner = (rank + step) % WORLD_SIZE  # staggered, so owners are not all hit at once
             within = owner * SUB + sub
@@ -65,8 +66,8 @@ def two_shot_all_reduce_kernel(
     block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
 
     local = peer_pointer(data_table, rank, dtype)
-    for item in range(pid, items, programs):
-        start = item.to(tl.int64) * ITEM
+    for item in range(first_item, items, programs):
+        start = item * ITEM
         within = rank * SUB + sub
         index = start + within
         mask = (sub < SUB) & (within < ITEM) & (index < numel)
@@ -82,8 +83,8 @@ def two_shot_all_reduce_kernel(
     block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
 
     column = tl.arange(0, BLOCK)
-    for item in range(pid, items, programs):
-        index = item.to(tl.int64) * ITEM + column
+    for item in range(first_item, items, programs):
+        index = item * ITEM + column
         mask = (column < ITEM) & (index < numel)
         y = tl.load(local + gathered + index, mask=mask, other=0.0).to(tl.float32)
         finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -207,7 +208,9 @@ class SiteRunner:
 
     def _benchmark(self, choices, values, reference, meta, ctx, plane, key) -> Choice:
         s = self.settings
+        started = time.perf_counter()
         choices = self._drop_failed(choices, meta, ctx, plane, "precompile")
+        precompile_s = time.perf_counter() - started
         medians: dict[str, float] = {}
         survivors = []
         replicated = True
@@ -249,7 +252,8 @@ class SiteRunner:
                 raise RankMismatchError(f"infini_dist: rank {plane.rank} picked {mine!r} but rank "
                                         f"{plane.ranks[0]} picked {decided!r}")
         record = {"choice": mine, "times_s": worst, "candidates": [c.name for c in survivors],
-                  "subgraph": self.sub.canonical()}
+                  "subgraph": self.sub.canonical(), "precompile_s": precompile_s,
+                  "tuning_s": time.perf_counter() - started}
         DECISIONS.put_memory(key, record)
         if (plane is None or plane.rank == 0) and s.enable_disk_cache:
             DECISIONS.write_disk(s.cache_dir, key, record)

@@ -22,7 +22,7 @@ def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size,
-                                timeout=__import__("datetime").timedelta(seconds=60))
+                                timeout=__import__("datetime").timedelta(seconds=180))
         import infini_dist
         infini_dist.config.cache_dir = cache_dir
         result = fn(rank, world_size, *args)
@@ -37,7 +37,7 @@ def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env):
 
 
 def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
-              timeout: float = 120.0, env: dict | None = None) -> list:
+              timeout: float = 300.0, env: dict | None = None) -> list:
     """Returns each rank's result (rank order). Raises if a rank raised or did not finish.
 
     `fn(rank, world_size, *args)` must be a module-level function (it is pickled)."""

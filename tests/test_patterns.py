@@ -166,12 +166,27 @@ def collective_patterns_rank(rank, world_size):
                 result["digests"][case] = hashlib.sha256(b"".join(
                     first[n].contiguous().view(torch.uint8).numpy().tobytes()
                     for n in sorted(reference))).hexdigest()
+        result["group_name"] = group_name_case(rank, world_size, fused, plain)
     result["stats"] = fused.get_cache_stats()
     result["plain_stats"] = plain.get_cache_stats()
     # Rank 0 writes the tuned decisions to the cache dir: which choices were committed.
     result["committed"] = sorted(json.loads(p.read_text())["choice"]
                                  for p in Path(infini_dist.config.cache_dir).glob("*.json"))
     return result
+
+
+def group_name_case(rank, world_size, fused, plain):
+    """An all_reduce naming its group (as the compile pass writes it) reduces over that group,
+    not over the dispatch's: here a group of this rank alone, so nothing is summed."""
+    import torch.distributed as dist
+    from infini_dist.fusion import OpNode
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]  # collective: every rank
+    graph = SubGraph((OpNode("all_reduce", ("x",), ("x_reduced",),
+                             {"group_name": alone.group_name}),
+                      OpNode("relu", ("x_reduced",), ("output",))), ("x",), ("output",))
+    x = reduced_inputs(rank, torch.float32)["x"]
+    return [float((s.dispatch(graph, {"x": x})["output"].double()
+                   - torch.relu(x.double())).abs().max()) for s in (plain, fused)]
 
 
 def test_all_reduce_patterns_on_two_ranks_match_float64():
@@ -183,9 +198,11 @@ def test_all_reduce_patterns_on_two_ranks_match_float64():
         assert all(result["same_as_unfused"].values()), result["same_as_unfused"]
         # 2 patterns x 2 dtypes, each routed once (miss) then found (hit); all fused.
         stats = result["stats"]
-        assert (stats["size"], stats["misses"], stats["hits"]) == (4, 4, 4), stats
-        assert (stats["fused_dispatches"], stats["unfused_dispatches"]) == (8, 0), stats
-        assert result["plain_stats"]["unfused_dispatches"] == 4
+        assert (stats["size"], stats["misses"], stats["hits"]) == (5, 5, 4), stats
+        assert (stats["fused_dispatches"], stats["unfused_dispatches"]) == (9, 0), stats
+        assert result["plain_stats"]["unfused_dispatches"] == 5
+        assert max(result["group_name"]) < 1e-6, result["group_name"]
     assert ranks[0]["digests"] == ranks[1]["digests"]  # bitwise identical on every rank
+    # 4 from rank 0, plus one per singleton group (each rank is rank 0 of its own).
     committed = ranks[0]["committed"]
-    assert len(committed) == 4 and all(c.startswith("torch_fused[") for c in committed), committed
+    assert len(committed) == 6 and all(c.startswith("torch_fused[") for c in committed), committed

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import infini_dist
-from infini_dist.config import Settings
+from infini_dist.config import FLAGS, Settings
 from infini_dist.scheduler import choices, engine
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.control import ControlPlaneError, control_plane
@@ -159,6 +159,23 @@ class _Entry(NamedTuple):
     collective: bool
 
 
+def _global_flags() -> tuple:
+    # The raw flag values: cheaper to read and hash than a Settings snapshot on every dispatch.
+    return tuple(getattr(infini_dist.config, name) for name in FLAGS)
+
+
+def _resolve_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+def _collective_group(graph: SubGraph, group):
+    """The group the graph's all_reduces run on: the first one's group_name attr, else `group`."""
+    named = next((node.attr("group_name") for node in graph.nodes
+                  if node.op_type == "all_reduce" and node.attr("group_name")), None)
+    return _resolve_group(named) if named else group
+
+
 def _context(group, inputs: dict) -> choices.RunContext:
     device = next((t.device for t in inputs.values()), torch.device("cpu"))
     if dist.is_available() and dist.is_initialized():
@@ -181,6 +198,7 @@ class FusionScheduler:
             raise TypeError(f"config must be a FusionConfig or None, got {type(config).__name__}")
         self.config = config
         self._routes: dict[tuple, _Entry] = {}
+        self._derived: dict[tuple, Settings] = {}  # (global flags, config) -> engine settings
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(("hits", "misses", "fused_dispatches",
                                      "unfused_dispatches", "fallbacks"), 0)
@@ -202,7 +220,7 @@ class FusionScheduler:
         return self._run_fused(entry, graph, inputs, group)
 
     def route(self, graph: SubGraph, inputs_dict: Mapping[str, torch.Tensor]) -> Route:
-        """Which path `dispatch` would take, and why; runs nothing and touches no cache."""
+        """Which path `dispatch` would take, and why; runs nothing, caches nothing."""
         inputs = self._check(graph, inputs_dict)
         settings = self._settings()
         return choose_route(graph, tuple(tuple(t.shape) for t in inputs.values()), self.config,
@@ -253,30 +271,40 @@ class FusionScheduler:
         with self._lock:
             self._stats[name] += by
 
-    def _settings(self) -> Settings:
-        base = infini_dist.config.snapshot()
-        return dataclasses.replace(
-            base,
-            enable_custom_op_fusion=base.enable_custom_op_fusion and self.config.enable_fusion,
-            enable_disk_cache=base.enable_disk_cache and self.config.enable_cache,
-            debug_mode=base.debug_mode or self.config.debug_mode)
+    def _settings(self, flags: tuple | None = None, config_key: tuple | None = None) -> Settings:
+        """infini_dist.config's snapshot, with this scheduler's config folded in."""
+        flags = flags if flags is not None else _global_flags()
+        config_key = config_key if config_key is not None else self.config.key()
+        settings = self._derived.get((flags, config_key))
+        if settings is None:
+            base = infini_dist.config.snapshot()
+            settings = dataclasses.replace(
+                base,
+                enable_custom_op_fusion=base.enable_custom_op_fusion and self.config.enable_fusion,
+                enable_disk_cache=base.enable_disk_cache and self.config.enable_cache,
+                debug_mode=base.debug_mode or self.config.debug_mode)
+            self._derived[(flags, config_key)] = settings
+        return settings
 
     def _debug(self, message: str, *args) -> None:
         if self.config.debug_mode:
             log.warning("infini_dist.fusion: " + message, *args)
 
     def _entry(self, graph: SubGraph, inputs: dict) -> _Entry:
-        settings = self._settings()
+        flags, config_key = _global_flags(), self.config.key()
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs.values())
-        key = (graph, signature, self.config.key(), settings)
+        key = (graph, signature, config_key, flags)
         caching = self.config.enable_cache
         if caching:
             entry = self._routes.get(key)
             if entry is not None:
                 self._bump("hits")
-                self._debug("cache hit for graph %s: %s", graph.signature()[:12], entry.route.path)
+                if self.config.debug_mode:  # signature() hashes the graph: not on the hot path
+                    self._debug("cache hit for graph %s: %s", graph.signature()[:12],
+                                entry.route.path)
                 return entry
         self._bump("misses")
+        settings = self._settings(flags, config_key)
         route = choose_route(graph, tuple(shape for shape, _ in signature), self.config, settings)
         executor = engine.executor_for(graph, settings) if route.path == FUSED else None
         collective = any(node.op_type == "all_reduce" for node in graph.nodes)
@@ -291,7 +319,13 @@ class FusionScheduler:
     @staticmethod
     def _run_unfused(graph: SubGraph, inputs: dict, group) -> dict:
         env = dict(inputs)
-        choices.run_nodes(graph, range(len(graph.nodes)), env, _context(group, inputs))
+        ctx = _context(group, inputs)
+        for index, node in enumerate(graph.nodes):
+            # A collective naming its group (as the compile pass does) runs there, as the
+            # engine would run it; everything else takes the dispatch's group.
+            named = node.attr("group_name")
+            node_ctx = dataclasses.replace(ctx, group=_resolve_group(named)) if named else ctx
+            choices.run_nodes(graph, (index,), env, node_ctx)
         return {name: env[name] for name in graph.output_names}
 
     def _run_fused(self, entry: _Entry, graph: SubGraph, inputs: dict, group) -> dict:
@@ -299,7 +333,7 @@ class FusionScheduler:
         before = (DECISIONS.hits, DECISIONS.misses)
         try:
             outputs = entry.executor.run(inputs, group)
-        except (engine.TuningError,):
+        except (ControlPlaneError, engine.TuningError):
             # Verdicts the ranks reached together (or could not reach): never a local matter.
             raise
         except Exception as error:
@@ -330,6 +364,7 @@ class FusionScheduler:
         succeeded), the vote times out into a ControlPlaneError instead."""
         if not (entry.collective and dist.is_available() and dist.is_initialized()):
             return
+        group = _collective_group(graph, group)
         if dist.get_world_size(group) == 1:
             return
         plane = control_plane(group, entry.settings.tuning_timeout_s)

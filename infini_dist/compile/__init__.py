@@ -1,0 +1,131 @@
+"""torch.compile integration: all_reduce -> epilogue chains become deferred-choice sites.
+
+    infini_dist.compile.enable()                  # every torch.compile from here on
+    torch.compile(model, options=infini_dist.compile.inductor_options())   # one model
+    infini_dist.compile.compile_model(model)      # the same, mode= and options= welcome
+    torch.compile(model, backend="infini_dist")   # the pass without Inductor
+
+The pass (`passes.FusionPass`) runs after Inductor's own post-grad passes. Flags it obeys:
+`enable_custom_op_fusion` (off: graphs untouched), `custom_op_fusion_types` ('prologue',
+'epilogue', 'cross_subgraph'), `max_fusion_depth` (ops captured per chain).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
+from infini_dist.compile.backend import BACKEND_NAME, register as _register_backend
+from infini_dist.compile.passes import FUSION_PASS, FusionPass, fuse_sites, last_sites, stats
+from infini_dist.compile.runtime_op import decisions
+
+__all__ = ["enable", "disable", "inductor_options", "compile_model", "FusionPass", "fuse_sites",
+           "decisions", "stats", "last_sites", "BACKEND_NAME"]
+
+_register_backend()
+
+_OPTION = "post_grad_custom_post_pass"
+_installed: dict = {}  # what enable() replaced, and what it put there
+
+
+def _takes_a_list() -> bool:
+    # torch >= 2.12 runs a list of post-grad passes; 2.11 takes exactly one.
+    from torch._inductor import custom_graph_pass
+    return hasattr(custom_graph_pass, "get_custom_graph_passes")
+
+
+def _contains_ours(value) -> bool:
+    if value is FUSION_PASS:
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_contains_ours(v) for v in value)
+    return isinstance(value, _Chain) and any(_contains_ours(p) for p in value.passes)
+
+
+class _Chain(CustomGraphPass):
+    """Runs a pass the user already set, then ours (torch 2.11 takes only one pass)."""
+
+    def __init__(self, *passes):
+        self.passes = passes
+
+    def __call__(self, graph):
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        ids = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
+        return None if any(i is None for i in ids) else repr(ids)  # None: not cacheable
+
+
+def _with_ours(existing):
+    if _contains_ours(existing):
+        return existing
+    if existing is None or (isinstance(existing, (list, tuple)) and not existing):
+        return FUSION_PASS
+    if _takes_a_list():
+        return [*existing, FUSION_PASS] if isinstance(existing, (list, tuple)) \
+            else [existing, FUSION_PASS]
+    return _Chain(existing, FUSION_PASS)
+
+
+def inductor_options(options: dict | None = None) -> dict:
+    """`options` (default: none) plus our pass chained after the post-grad pass already set
+    there or in Inductor's config. Pass the result to torch.compile(options=...)."""
+    from torch._inductor import config as inductor_config
+    options = dict(options or {})
+    existing = options.get(_OPTION, getattr(inductor_config, _OPTION))
+    options[_OPTION] = _with_ours(existing)
+    return options
+
+
+def enable() -> None:
+    """Install the pass in Inductor's config for every later torch.compile (idempotent)."""
+    from torch._inductor import config as inductor_config
+    current = getattr(inductor_config, _OPTION)
+    if _contains_ours(current):
+        return
+    installed = _with_ours(current)
+    _installed.update(previous=current, installed=installed)
+    setattr(inductor_config, _OPTION, installed)
+
+
+def disable() -> None:
+    """Undo enable(): restore what was there before, keeping passes set since."""
+    from torch._inductor import config as inductor_config
+    current = getattr(inductor_config, _OPTION)
+    if not _contains_ours(current):
+        return
+    if current is _installed.get("installed"):
+        setattr(inductor_config, _OPTION, _installed.get("previous"))
+    elif isinstance(current, (list, tuple)):
+        setattr(inductor_config, _OPTION, [p for p in current if p is not FUSION_PASS] or None)
+    elif current is FUSION_PASS:
+        setattr(inductor_config, _OPTION, None)
+    else:
+        warnings.warn("infini_dist.compile.disable(): the post-grad pass was changed since "
+                      "enable(); left as it is", RuntimeWarning, stacklevel=2)
+        return
+    _installed.clear()
+
+
+def compile_model(model, *, backend: str = "inductor", mode: str | None = None,
+                  options: dict | None = None, **kwargs):
+    """torch.compile with the infini_dist pass. With Inductor, `mode` is turned into its options
+    (torch.compile takes mode or options, not both) and ours are added; backend='infini_dist'
+    runs the pass without Inductor."""
+    if backend == BACKEND_NAME:
+        if options or mode:
+            raise ValueError("compile_model: mode and options apply to the Inductor backend only")
+        return torch.compile(model, backend=BACKEND_NAME, **kwargs)
+    if backend != "inductor":
+        raise ValueError(f"compile_model: backend must be 'inductor' or {BACKEND_NAME!r}, "
+                         f"got {backend!r}")
+    merged = {}
+    if mode is not None:
+        from torch._inductor import list_mode_options
+        merged.update(list_mode_options(mode, kwargs.get("dynamic")))
+    merged.update(options or {})
+    return torch.compile(model, backend="inductor", options=inductor_options(merged), **kwargs)

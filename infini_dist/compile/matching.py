@@ -1,0 +1,394 @@
+"""Finding sites in a post-grad FX graph.
+
+A site is an anchor (an all_reduce with its wait, or a call to a user op registered with
+infini_dist) plus what may fuse with it, in IR ops:
+
+    prologue: elementwise producers that feed only the all_reduce (walked back along input 0)
+    anchors:  the all_reduce, or several adjacent independent all_reduces on one group
+    epilogue: the ops after it that read the site's values, in graph order; their other inputs
+              must not depend on the site
+
+The whole site becomes one op placed after its last compute node, so the site is trimmed (last
+epilogue op first, then the last coalesced anchor) until every value read outside it is read
+after that point, and no other collective is crossed.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from infini_dist.config import Settings
+from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.compile import patterns
+
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+_ATTR_TYPES = (bool, int, float, str, type(None))
+
+
+@dataclass
+class IROp:
+    """One IR op found in the graph."""
+    op_type: str
+    inputs: list  # graph value per IR input
+    outputs: list  # graph node carrying each IR output (None: nothing reads it)
+    attrs: dict
+    nodes: frozenset  # graph nodes it replaces
+
+    @property
+    def projections(self) -> frozenset:
+        """Nodes that only hand on the anchor's result (wait_tensor, getitem)."""
+        return frozenset(n for n in self.nodes
+                         if n.target is WAIT or n.target is operator.getitem)
+
+
+@dataclass
+class Site:
+    anchors: list
+    prologue_of: list  # per anchor, its prologue ops, producer first
+    epilogue: list = field(default_factory=list)
+
+    @property
+    def ops(self) -> list:
+        return [op for chain in self.prologue_of for op in chain] + self.anchors + self.epilogue
+
+    @property
+    def nodes(self) -> frozenset:
+        return frozenset(n for op in self.ops for n in op.nodes)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _is_tensor(node) -> bool:
+    return isinstance(_val(node), torch.Tensor)
+
+
+def anchor_names() -> frozenset:
+    """Registered user ops that are anchors (they have several implementations)."""
+    return frozenset(name for name in op_registry.registered_ops()
+                     if op_registry.get_op(name).is_anchor)
+
+
+def is_collective(node: fx.Node, custom: frozenset) -> bool:
+    """Nodes a site may not be moved across: they talk to other ranks in program order."""
+    if node.op != "call_function" or node.target is WAIT:
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        namespace = target.namespace
+        return (namespace in ("_c10d_functional", "c10d", "c10d_functional", "infini_dist")
+                or target._schema.name in custom)
+    return False
+
+
+# ---- anchors --------------------------------------------------------------------------------------
+
+def all_reduce_anchor(node: fx.Node) -> IROp | None:
+    if node.op != "call_function" or node.target is not ALL_REDUCE:
+        return None
+    source, reduce_op, group_name = (list(node.args) + [None] * 3)[:3]
+    users = list(node.users)
+    if (str(reduce_op).lower() != "sum" or not isinstance(group_name, str)
+            or not _is_tensor(source) or len(users) != 1 or users[0].target is not WAIT):
+        return None
+    return IROp("all_reduce", [source], [users[0]], {"op": "sum", "group_name": group_name},
+                frozenset((node, users[0])))
+
+
+def custom_anchor(node: fx.Node, custom: frozenset) -> IROp | None:
+    """A call to a user op registered under its qualified name ('ns::op'). The engine calls
+    implementations as fn(*tensors, **attrs), so every tensor argument must come first."""
+    target = node.target
+    if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
+            or target._schema.name not in custom):
+        return None
+    schema = target._schema
+    tensors, attrs = [], {}
+    for index, argument in enumerate(schema.arguments):
+        if index < len(node.args):
+            value = node.args[index]
+        elif argument.name in node.kwargs:
+            value = node.kwargs[argument.name]
+        elif argument.has_default_value():
+            value = argument.default_value
+        else:
+            return None
+        if isinstance(value, fx.Node):
+            if attrs or not _is_tensor(value):
+                return None
+            tensors.append(value)
+        elif isinstance(value, _ATTR_TYPES):
+            attrs[argument.name] = value
+        else:
+            return None
+    spec = op_registry.get_op(schema.name)
+    if len(schema.returns) != spec.num_outputs:
+        return None
+    if isinstance(_val(node), torch.Tensor):
+        return IROp(schema.name, tensors, [node], attrs, frozenset((node,)))
+    outputs = [None] * spec.num_outputs
+    for user in node.users:
+        if user.target is not operator.getitem or not isinstance(user.args[1], int):
+            return None
+        outputs[user.args[1]] = user
+    return IROp(schema.name, tensors, outputs, attrs, frozenset([node, *node.users]))
+
+
+# ---- matching ops ---------------------------------------------------------------------------------
+
+class _Graph:
+    """Positions and dependence queries over a graph that is not changing."""
+
+    def __init__(self, graph: fx.Graph, custom: frozenset):
+        self.nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.custom = custom
+
+    def depends_on(self, value, region: frozenset) -> bool:
+        """Whether `value` is computed from any node of `region`."""
+        if not isinstance(value, fx.Node) or not region:
+            return False
+        start = min(self.order[n] for n in region)
+        seen, stack = set(), [value]
+        while stack:
+            node = stack.pop()
+            if node in region:
+                return True
+            if node in seen or self.order[node] < start:
+                continue
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+        return False
+
+
+def _key(node):
+    val = _val(node)
+    return (val.dtype, val.dim(), val.device.type)
+
+
+def _ir_op(match: patterns.Match, first: fx.Node | None) -> IROp | None:
+    """The IR op for a match; a commutative op takes `first` as its first input. The IR refs
+    round to input 0's dtype, so the graph's result must have that dtype."""
+    inputs = list(match.inputs)
+    if match.form.commutative and first is not None and inputs[0] is not first:
+        inputs.reverse()
+    if not all(_is_tensor(n) for n in inputs + [match.root]):
+        return None
+    dtype = _val(inputs[0]).dtype
+    if _val(match.root).dtype != dtype or not dtype.is_floating_point:
+        return None
+    if match.form.op_type != "rms_norm" and any(_val(n).dtype != dtype for n in inputs):
+        return None
+    return IROp(match.form.op_type, inputs, [match.root], dict(match.attrs), match.nodes)
+
+
+def _best(matches: list) -> patterns.Match | None:
+    """The earliest match not strictly contained in another one (gelu over its own x * 0.5)."""
+    for m in matches:
+        if not any(m.nodes < other.nodes for other in matches):
+            return m
+    return None
+
+
+def _prologue(g: _Graph, anchor: IROp, region: frozenset, depth: int) -> list:
+    chain: list = []
+    consumer_nodes = anchor.nodes
+    value = anchor.inputs[0]
+    while len(chain) < depth:
+        if (not isinstance(value, fx.Node) or value.op != "call_function" or not _is_tensor(value)
+                or any(u not in consumer_nodes for u in value.users)):
+            break
+        found = []
+        for template in patterns.templates(*_key(value)):
+            if not op_registry.may_fuse(template.form.op_type, "prologue"):
+                continue
+            match = patterns.match_at(template, value)
+            if match is not None and not match.nodes & region:
+                found.append(match)
+        match = max(found, key=lambda m: len(m.nodes), default=None)
+        if match is None:
+            break
+        # Continue through the input this op alone reads, if there is one.
+        private = [n for n in match.inputs
+                   if isinstance(n, fx.Node) and all(u in match.nodes for u in n.users)]
+        op = _ir_op(match, private[0] if private else None)
+        if op is None:
+            break
+        chain.append(op)
+        region = region | op.nodes
+        consumer_nodes = op.nodes
+        value = op.inputs[0]
+    chain.reverse()
+    return chain
+
+
+def _candidates(live: set, region: frozenset, reach: int) -> set:
+    """Nodes within `reach` steps downstream of the live values, outside the region."""
+    found, frontier = set(), set(live)
+    for _ in range(reach):
+        frontier = {u for n in frontier for u in n.users
+                    if u not in region and u.op == "call_function"} - found
+        found |= frontier
+    return found
+
+
+def _epilogue_match(g: _Graph, match, live: set, region: frozenset):
+    if match.nodes & region:
+        return None
+    chain_inputs = match.form.chain_inputs
+    if not any(n in live for i, n in enumerate(match.inputs) if i in chain_inputs):
+        return None
+    for index, node in enumerate(match.inputs):
+        if node in live:
+            if index not in chain_inputs:
+                return None
+        elif not _is_tensor(node) or g.depends_on(node, region):
+            return None
+    return match
+
+
+def _epilogue(g: _Graph, site: Site, depth: int) -> None:
+    live = {n for a in site.anchors for n in a.outputs if n is not None}
+    region = site.nodes
+    keys = {_key(n) for n in live}
+    reach = max((t.size for k in keys for t in patterns.templates(*k)), default=1)
+    while True:
+        at_cap = len(site.epilogue) >= depth
+        matches = []
+        for node in sorted(_candidates(live, region, reach), key=g.order.get):
+            for key in keys:
+                for template in patterns.templates(*key):
+                    match = patterns.match_at(template, node)
+                    if match is not None and _epilogue_match(g, match, live, region):
+                        matches.append(match)
+        if at_cap:  # past the cap only an rms_norm folding into the last add is taken
+            matches = [m for m in matches if _folds_into(site.epilogue, m)]
+        match = _best(matches)
+        if match is None:
+            return
+        first = next((n for n in match.inputs if n in live), None)
+        op = _ir_op(match, first)
+        if op is None:
+            return
+        if _folds_into(site.epilogue, match):
+            add = site.epilogue.pop()
+            op = IROp("add_rms_norm", [add.inputs[0], add.inputs[1], op.inputs[1]],
+                      [op.outputs[0], add.outputs[0]], op.attrs, add.nodes | op.nodes)
+        site.epilogue.append(op)
+        region = region | op.nodes
+        live |= {n for n in op.outputs if n is not None}
+        keys |= {_key(n) for n in op.outputs if n is not None}
+
+
+def _folds_into(epilogue: list, match) -> bool:
+    """rms_norm(x) right after x = a + b: together they are add_rms_norm(a, b)."""
+    return (match.form.op_type == "rms_norm" and bool(epilogue)
+            and epilogue[-1].op_type == "add" and match.inputs[0] is epilogue[-1].outputs[0])
+
+
+# ---- coalescing and placement ---------------------------------------------------------------------
+
+def _next_collective(g: _Graph, after: fx.Node):
+    for node in g.nodes[g.order[after] + 1:]:
+        if is_collective(node, g.custom):
+            return node
+    return None
+
+
+def _coalesce(g: _Graph, first: IROp) -> list:
+    """`first` and the all_reduces right after it on the same group that can run with it: their
+    inputs do not depend on the group so far, and nothing reads the group's results before."""
+    group = [first]
+    node = next(iter(first.nodes - first.projections))
+    while True:
+        node = _next_collective(g, node)
+        candidate = all_reduce_anchor(node) if node is not None else None
+        if candidate is None or candidate.attrs != first.attrs:
+            return group
+        region = frozenset(n for a in group for n in a.nodes)
+        if g.depends_on(candidate.inputs[0], region):
+            return group
+        readers = [u for a in group for out in a.outputs for u in out.users]
+        if any(g.order[u] <= g.order[node] for u in readers):
+            return group
+        group.append(candidate)
+
+
+def insertion_point(g: _Graph, site: Site) -> fx.Node:
+    compute = [n for op in site.ops for n in op.nodes - op.projections]
+    return max(compute, key=g.order.get)
+
+
+def _fits(g: _Graph, site: Site) -> bool:
+    nodes = site.nodes
+    last = g.order[insertion_point(g, site)]
+    for op in site.ops:
+        for out in op.outputs:
+            if out is not None and any(u not in nodes and g.order[u] <= last for u in out.users):
+                return False
+    first = min(g.order[n] for a in site.anchors for n in a.nodes)
+    return not any(is_collective(n, g.custom) and n not in nodes
+                   for n in g.nodes[first + 1:last])
+
+
+def find_site(graph: fx.Graph, anchor: IROp, settings: Settings, custom: frozenset) -> Site:
+    """The site around `anchor`, as large as the flags allow and the graph permits."""
+    g = _Graph(graph, custom)
+    types = settings.custom_op_fusion_types
+    depth = settings.max_fusion_depth
+    is_all_reduce = anchor.op_type == "all_reduce"
+    anchors = _coalesce(g, anchor) if is_all_reduce and "cross_subgraph" in types else [anchor]
+    region = frozenset(n for a in anchors for n in a.nodes)
+    prologue_of = []
+    for a in anchors:
+        chain = _prologue(g, a, region, depth) if is_all_reduce and "prologue" in types else []
+        prologue_of.append(chain)
+        region = region | frozenset(n for op in chain for n in op.nodes)
+    site = Site(anchors, prologue_of)
+    if "epilogue" in types and depth > 0:
+        _epilogue(g, site, depth)
+    while not _fits(g, site):
+        if site.epilogue:
+            site.epilogue.pop()
+        elif len(site.anchors) > 1:
+            site.anchors.pop()
+            site.prologue_of.pop()
+        else:
+            raise AssertionError("infini_dist: a lone anchor must always fit")  # by construction
+    return site
+
+
+# ---- to the IR ------------------------------------------------------------------------------------
+
+def to_subgraph(site: Site) -> tuple[SubGraph, list, list]:
+    """The site as a SubGraph with canonical names, its graph inputs and its read outputs."""
+    names: dict = {}
+    inputs: list = []
+    nodes = []
+    count = 0
+    for op in site.ops:
+        reads = []
+        for value in op.inputs:
+            if value not in names:
+                names[value] = f"in{len(inputs)}"
+                inputs.append(value)
+            reads.append(names[value])
+        writes = []
+        for out in op.outputs:
+            writes.append(f"v{count}")
+            if out is not None:
+                names[out] = f"v{count}"
+            count += 1
+        nodes.append(OpNode(op.op_type, tuple(reads), tuple(writes), op.attrs))
+    region = site.nodes
+    outputs = [out for op in site.ops for out in op.outputs
+               if out is not None and any(u not in region for u in out.users)]
+    sub = SubGraph(tuple(nodes), tuple(names[n] for n in inputs), tuple(names[n] for n in outputs))
+    return sub, inputs, outputs

@@ -1,0 +1,143 @@
+"""The post-grad pass: every all_reduce (and registered user op) with its chains -> one
+`infini_dist.fused_site` call.
+
+Pattern (post-grad FX, after Inductor's decompositions):
+
+    r = _c10d_functional.all_reduce(p, "sum", group); w = wait_tensor(r)
+    h = w + residual; out = <rms_norm decomposed: pow, mean, add, rsqrt, mul, converts> * weight
+
+Replacement:
+
+    out, h = infini_dist.fused_site([p, residual, weight], '<SubGraph: all_reduce -> add_rms_norm>')
+
+The engine turns that SubGraph into its choices (fused kernels at each depth, the unfused
+baseline) and commits the fastest across the group at run time.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import logging
+import operator
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import infini_dist
+from infini_dist.compile import matching, runtime_op
+from infini_dist.config import Settings
+
+log = logging.getLogger("infini_dist")
+
+# What the pass did in this process: "graphs" seen, "sites" replaced.
+stats: collections.Counter = collections.Counter()
+last_sites: list = []  # the SubGraph text of each site the latest call replaced
+
+_UUID_FLAGS = ("enable_custom_op_fusion", "custom_op_fusion_types", "enable_recursive_fusion",
+               "max_fusion_depth")
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    """Hash of the code that decides what the pass writes into a graph."""
+    package = Path(__file__).parent
+    scheduler = Path(infini_dist.scheduler.ir.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(package.glob("*.py")) + [scheduler / "ir.py", scheduler / "ops.py"]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _replace(graph: fx.Graph, site: matching.Site, g) -> str:
+    sub, inputs, outputs = matching.to_subgraph(site)
+    text = sub.canonical()
+    region = site.nodes
+    anchor = next(iter(site.anchors[0].nodes - site.anchors[0].projections))
+    with graph.inserting_after(matching.insertion_point(g, site)):
+        call = graph.call_function(torch.ops.infini_dist.fused_site.default, (list(inputs), text))
+    call.meta["val"] = _fake_outputs(inputs, text)
+    call.meta["stack_trace"] = anchor.meta.get("stack_trace")
+    previous = call
+    for index, old in enumerate(outputs):
+        with graph.inserting_after(previous):
+            item = graph.call_function(operator.getitem, (call, index))
+        item.meta["val"] = call.meta["val"][index]
+        old.replace_all_uses_with(item, delete_user_cb=lambda user: user not in region)
+        previous = item
+    for node in sorted(region, key=g.order.get, reverse=True):
+        graph.erase_node(node)
+    return text
+
+
+def _fake_outputs(inputs: list, text: str) -> list:
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    values = [n.meta["val"] for n in inputs]
+    mode = detect_fake_mode(values)
+    if mode is None:  # real example values (a graph traced without fake tensors)
+        mode = FakeTensorMode()
+        values = [mode.from_tensor(v) for v in values]
+    with mode:
+        return list(torch.ops.infini_dist.fused_site.default(values, text))
+
+
+def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
+    """Rewrite every site of `graph` in place; returns the SubGraph text of each."""
+    stats["graphs"] += 1
+    if not settings.enable_custom_op_fusion:
+        return []
+    custom = matching.anchor_names()
+    replaced: list[str] = []
+    skipped: set = set()
+    while True:
+        found = None
+        for node in graph.nodes:
+            if node in skipped or node.op != "call_function":
+                continue
+            found = matching.all_reduce_anchor(node) or matching.custom_anchor(node, custom)
+            if found is not None:
+                break
+            if node.target is matching.ALL_REDUCE:
+                skipped.add(node)  # not a sum, or its result is used without a wait
+        if found is None:
+            break
+        site = matching.find_site(graph, found, settings, custom)
+        g = matching._Graph(graph, custom)
+        replaced.append(_replace(graph, site, g))
+    if replaced:
+        graph.lint()
+        stats["sites"] += len(replaced)
+        log.info("infini_dist: %d deferred-choice site(s) in a graph: %s", len(replaced),
+                 "; ".join(_summary(t) for t in replaced))
+    last_sites[:] = replaced
+    return replaced
+
+
+def _summary(text: str) -> str:
+    sub = runtime_op.subgraph_from_json(text)
+    return "+".join(node.op_type for node in sub.nodes)
+
+
+class FusionPass(CustomGraphPass):
+    """The Inductor post-grad pass. Its uuid covers the code, the package version and the flags
+    it reads, so Inductor's FX graph cache can keep graphs it rewrote."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        fuse_sites(graph, infini_dist.config.snapshot())
+
+    def uuid(self) -> str:
+        flags = {name: getattr(infini_dist.config, name) for name in _UUID_FLAGS}
+        payload = repr((infini_dist.__version__, _source_hash(), sorted(flags.items()),
+                        sorted(matching.anchor_names())))
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def __repr__(self):
+        return "infini_dist.compile.FusionPass()"
+
+
+FUSION_PASS = FusionPass()

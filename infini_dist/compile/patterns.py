@@ -1,0 +1,233 @@
+"""The post-grad forms of the ops a site may absorb, and a matcher for them.
+
+Inductor decomposes silu, gelu and rms_norm before post-grad passes run (silu becomes
+x / (1 + exp(-x)), with fp32 up- and down-casts around it for half types), and the exact form
+depends on the torch version, the dtype and the tensor rank. So the forms are not spelled out by
+hand: each IR op is written once in plain torch (`FORMS`) and traced through Inductor's own
+decomposition table, the route Inductor's pattern matcher takes for its own patterns. The traced
+graph is the pattern. Scalars that become IR attributes (eps, scale) are traced with a sentinel
+value and captured from the matched node.
+
+Matching is rooted at a graph node (the pattern's output) and walks arguments backwards, trying
+both operand orders of add and mul.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+# Sentinels: exact in fp32 (a traced eps is often rounded to fp32) and unlike any constant of a
+# decomposition, so a template position holding one is an attribute slot.
+EPS = 2.0 ** -15 + 2.0 ** -25
+SCALE = 0.3125 + 2.0 ** -12
+
+
+def _hf_rms_norm(x, weight):
+    # Llama-style: normalise in fp32, round to the input dtype, then scale by the weight.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return weight * h.to(x.dtype)
+
+
+def _torch_rms_norm(x, weight):
+    return F.rms_norm(x, (x.shape[-1],), weight, EPS)
+
+
+def _fp32_rms_norm(x, weight):
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), EPS).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Form:
+    """One torch spelling of an IR op. Inputs are in the IR op's order."""
+    name: str
+    op_type: str
+    fn: Callable
+    arity: int
+    chain_inputs: tuple[int, ...] = (0,)  # inputs that may carry the site's value
+    attrs: tuple[tuple[str, Any], ...] = ()  # fixed IR attributes
+    captures: tuple[tuple[str, float], ...] = ()  # IR attribute <- sentinel in the trace
+    commutative: bool = False  # the IR op may take its inputs in either order
+
+
+FORMS = (
+    Form("add", "add", lambda a, b: a + b, 2, (0, 1), commutative=True),
+    Form("mul", "mul", lambda a, b: a * b, 2, (0, 1), commutative=True),
+    Form("scale", "scale", lambda x: x * SCALE, 1, captures=(("scale", SCALE),)),
+    Form("relu", "relu", lambda x: torch.relu(x), 1),
+    Form("sigmoid", "sigmoid", lambda x: torch.sigmoid(x), 1),
+    Form("silu", "silu", lambda x: F.silu(x), 1),
+    Form("gelu", "gelu", lambda x: F.gelu(x), 1, attrs=(("approximate", "none"),)),
+    Form("gelu_tanh", "gelu", lambda x: F.gelu(x, approximate="tanh"), 1,
+         attrs=(("approximate", "tanh"),)),
+    Form("swiglu", "swiglu", lambda gate, up: F.silu(gate) * up, 2, (0, 1)),
+    Form("rms_norm_llama", "rms_norm", _hf_rms_norm, 2, captures=(("eps", EPS),)),
+    Form("rms_norm", "rms_norm", _torch_rms_norm, 2, captures=(("eps", EPS),)),
+    Form("rms_norm_fp32", "rms_norm", _fp32_rms_norm, 2, captures=(("eps", EPS),)),
+)
+
+_COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
+
+
+@dataclass(frozen=True)
+class Template:
+    form: Form
+    placeholders: tuple[fx.Node, ...]
+    root: fx.Node
+    size: int  # call_function nodes
+
+
+def _example_inputs(form: Form, dtype, ndim: int, device) -> list[torch.Tensor]:
+    shape = (2,) * (ndim - 1) + (8,)
+    gen = torch.Generator().manual_seed(0)
+    tensors = []
+    for index in range(form.arity):
+        is_weight = form.op_type == "rms_norm" and index == 1
+        t = torch.randn(shape[-1:] if is_weight else shape, generator=gen, dtype=torch.float32)
+        tensors.append(t.to(device=device, dtype=dtype))
+    return tensors
+
+
+def _functional(target):
+    """aten.add_.Scalar -> aten.add.Scalar. Decompositions traced outside AOTAutograd may use
+    in-place ops on their own temporaries; the post-grad graph is functionalized."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return target
+    namespace, name = target._schema.name.split("::")
+    if not name.endswith("_"):
+        return target
+    packet = getattr(getattr(torch.ops, namespace), name[:-1], None)
+    overload = target._overloadname
+    return getattr(packet, overload, target) if packet is not None else target
+
+
+def _trace(form: Form, dtype, ndim: int, device) -> Template | None:
+    from torch._inductor.pattern_matcher import fwd_only
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        gm = fwd_only(form.fn, _example_inputs(form, dtype, ndim, device))
+    for node in gm.graph.nodes:
+        node.target = _functional(node.target)
+    placeholders = tuple(n for n in gm.graph.nodes if n.op == "placeholder")
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    results = output.args[0]
+    root = results[0] if isinstance(results, (tuple, list)) else results
+    if not isinstance(root, fx.Node) or root.op != "call_function" or len(placeholders) != form.arity:
+        return None  # e.g. relu of an int tensor: nothing to match
+    size = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    return Template(form, placeholders, root, size)
+
+
+@functools.lru_cache(maxsize=None)
+def templates(dtype: torch.dtype, ndim: int, device_type: str) -> tuple[Template, ...]:
+    """Every form traced for a site value of this dtype and rank, largest first."""
+    device = torch.device(device_type)
+    traced = [t for t in (_trace(f, dtype, ndim, device) for f in FORMS) if t is not None]
+    return tuple(sorted(traced, key=lambda t: -t.size))
+
+
+# ---- matching -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Match:
+    template: Template
+    inputs: tuple[fx.Node, ...]  # graph node per template placeholder (IR input order)
+    nodes: frozenset  # graph nodes the pattern covers
+    root: fx.Node
+    attrs: dict
+
+    @property
+    def form(self) -> Form:
+        return self.template.form
+
+
+def _same_constant(pattern: Any, value: Any) -> bool:
+    if isinstance(pattern, (bool, int, float)) or isinstance(value, (bool, int, float)):
+        return type(pattern) is type(value) and pattern == value
+    return pattern == value
+
+
+def _match_arg(pattern: Any, value: Any, state: dict, captures: dict) -> dict | None:
+    if isinstance(pattern, fx.Node):
+        return _match_node(pattern, value, state, captures)
+    if isinstance(pattern, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(pattern) != len(value):
+            return None
+        for p, v in zip(pattern, value):
+            state = _match_arg(p, v, state, captures)
+            if state is None:
+                return None
+        return state
+    if isinstance(pattern, float):
+        # A sentinel, possibly rounded to fp32 on the way: an attribute slot.
+        name = next((n for s, n in captures.items() if math.isclose(pattern, s, rel_tol=1e-6)),
+                    None)
+        if name is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return None
+            if state.get(("attr", name), value) != value:
+                return None
+            return {**state, ("attr", name): value}
+    return state if _same_constant(pattern, value) else None
+
+
+def _match_node(pattern: fx.Node, value: Any, state: dict, captures: dict) -> dict | None:
+    if not isinstance(value, fx.Node):
+        return None
+    if pattern in state:
+        return state if state[pattern] is value else None
+    if pattern.op == "placeholder":
+        return {**state, pattern: value}
+    if value.op != "call_function" or value.target != pattern.target:
+        return None
+    if any(v is value for k, v in state.items() if isinstance(k, fx.Node) and k.op != "placeholder"):
+        return None  # two pattern nodes cannot share one graph node
+    state = {**state, pattern: value}
+    orders = [pattern.args]
+    if pattern.target in _COMMUTATIVE and len(pattern.args) == 2:
+        orders.append((pattern.args[1], pattern.args[0]))
+    for args in orders:
+        if len(args) != len(value.args) or set(pattern.kwargs) != set(value.kwargs):
+            continue
+        result = _match_arg(tuple(args), tuple(value.args), state, captures)
+        if result is not None:
+            result = _match_arg(tuple(pattern.kwargs.values()),
+                                tuple(value.kwargs[k] for k in pattern.kwargs), result, captures)
+        if result is not None:
+            return result
+    return None
+
+
+def match_at(template: Template, root: fx.Node) -> Match | None:
+    """The template matched with its output at `root`, its interior private to it."""
+    if root.op != "call_function" or root.target != template.root.target:
+        return None
+    captures = {sentinel: name for name, sentinel in template.form.captures}
+    state = _match_node(template.root, root, {}, captures)
+    if state is None:
+        return None
+    inputs = tuple(state.get(p) for p in template.placeholders)
+    if any(n is None for n in inputs):
+        return None
+    nodes = frozenset(v for k, v in state.items()
+                      if isinstance(k, fx.Node) and k.op != "placeholder")
+    if any(n in nodes for n in inputs):
+        return None
+    for node in nodes:  # values inside the pattern may not be read from outside it
+        if node is not root and any(user not in nodes for user in node.users):
+            return None
+    attrs = dict(template.form.attrs)
+    for name, _ in template.form.captures:
+        if ("attr", name) not in state:
+            return None
+        attrs[name] = float(state[("attr", name)])
+    return Match(template, inputs, nodes, root, attrs)

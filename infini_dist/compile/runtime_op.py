@@ -1,0 +1,137 @@
+"""The replacement: one torch op that runs a whole site through the engine.
+
+    outputs = torch.ops.infini_dist.fused_site(inputs, graph_json)
+
+`graph_json` is the site's `SubGraph.canonical()` text. It is a plain string argument, so the
+compiled code (and Inductor's FX graph cache) carries the site itself, identical on every rank:
+no registry has to be filled before a cached graph can run. At run time the engine tunes the site
+across its group on the first call per input signature and runs the committed choice after that;
+under CUDA-graph capture without a decision it runs the unfused baseline (SiteRunner._decide).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import torch
+
+import infini_dist
+from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler.engine import executor_for
+from infini_dist.scheduler.ir import OpNode, SubGraph
+
+OP_NAME = "infini_dist::fused_site"
+
+
+# ---- the SubGraph <-> text round trip -------------------------------------------------------------
+
+def _attr_value(value: Any) -> Any:
+    # Inverse of ir._canonical_value: floats travel as {"float": repr}, tuples as lists.
+    if isinstance(value, dict):
+        if set(value) != {"float"}:
+            raise ValueError(f"unexpected attribute encoding {value!r}")
+        return float(value["float"])
+    if isinstance(value, list):
+        return tuple(_attr_value(v) for v in value)
+    return value
+
+
+@functools.lru_cache(maxsize=4096)
+def subgraph_from_json(text: str) -> SubGraph:
+    """The SubGraph whose `canonical()` is `text` (validated again on construction)."""
+    try:
+        data = json.loads(text)
+        nodes = tuple(OpNode(op, tuple(inputs), tuple(outputs),
+                             {key: _attr_value(value) for key, value in attrs})
+                      for op, inputs, outputs, attrs in data["nodes"])
+        graph = SubGraph(nodes, tuple(data["inputs"]), tuple(data["outputs"]))
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"infini_dist.fused_site: not a canonical SubGraph ({error}): "
+                         f"{text[:200]!r}") from None
+    if graph.canonical() != text:
+        raise ValueError(f"infini_dist.fused_site: graph text is not in canonical form: "
+                         f"{text[:200]!r}")
+    return graph
+
+
+# ---- the op ---------------------------------------------------------------------------------------
+
+_USED: dict[str, SubGraph] = {}
+
+
+def _unaliased(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous outputs that share memory with no input and no other output.
+
+    A custom op may not return aliases, and Inductor lays out what follows from the fake
+    (contiguous) outputs; a fused choice may hand back views of one packed buffer."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    result = []
+    for out in outputs:
+        out = out.contiguous()
+        if out.numel():
+            pointer = out.untyped_storage().data_ptr()
+            if pointer in seen:
+                out = out.clone()
+                pointer = out.untyped_storage().data_ptr()
+            seen.add(pointer)
+        result.append(out)
+    return result
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def fused_site(inputs: list[torch.Tensor], graph: str) -> list[torch.Tensor]:
+    sub = subgraph_from_json(graph)
+    if len(inputs) != len(sub.input_names):
+        raise ValueError(f"infini_dist.fused_site: the site reads {len(sub.input_names)} tensors, "
+                         f"got {len(inputs)}")
+    _USED.setdefault(graph, sub)
+    executor = executor_for(sub, infini_dist.config.snapshot())
+    values = executor.run(dict(zip(sub.input_names, inputs)), None)
+    return _unaliased([values[name] for name in sub.output_names], list(inputs))
+
+
+def _custom_op_call(name: str, tensors: list, attrs: dict):
+    """A user anchor op under fake tensors: its torch.library fake if it has one, else its ref."""
+    namespace, _, op_name = name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace, None), op_name, None) if op_name else None
+    if packet is not None:
+        return packet(*tensors, **attrs)
+    return op_registry.get_op(name).fn(*tensors, **attrs)
+
+
+def evaluate_shapes(sub: SubGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs with the right shapes and dtypes (contiguous), computed without communication."""
+    env = dict(zip(sub.input_names, inputs))
+    for node in sub.nodes:
+        tensors = [env[name] for name in node.inputs]
+        spec = op_registry.get_op(node.op_type)
+        if spec.kind == "collective":
+            results = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                            for t in tensors)
+        elif spec.kind == "custom":
+            results = _custom_op_call(node.op_type, tensors, node.attr_dict)
+        else:
+            results = op_registry.run_node(node.op_type, tensors, node.attr_dict)
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        env.update(zip(node.outputs, results))
+    return [torch.empty_like(env[name], memory_format=torch.contiguous_format)
+            for name in sub.output_names]
+
+
+@fused_site.register_fake
+def _(inputs, graph):
+    return evaluate_shapes(subgraph_from_json(graph), list(inputs))
+
+
+def decisions() -> list[dict]:
+    """What each compiled site decided so far (candidates, times, committed choice)."""
+    rows = []
+    for text, sub in _USED.items():
+        executor = executor_for(sub, infini_dist.config.snapshot())
+        for runner in executor.site_runners():
+            decision = getattr(runner, "last_decision", None)
+            if decision is not None:
+                rows.append(dict(decision, op="+".join(n.op_type for n in sub.nodes), subgraph=text))
+    return rows

@@ -1,0 +1,228 @@
+"""Engine algorithms over our symmetric-memory all-reduce kernels: `one_shot` and `two_shot`.
+
+A span is supported when it is one sum all_reduce of a CUDA float tensor with
+  - a prologue: a chain (up to 3) of elementwise ops on the all_reduce input;
+  - an epilogue: a chain (up to 3) of elementwise ops, optionally ended by rms_norm or
+    add_rms_norm over the last dimension;
+and nothing else of the span is read outside it except the final value and the value the norm
+normalises (the new residual). Every depth, 0 included (a plain symmetric-memory all-reduce).
+
+Rendezvous is collective, so it happens lazily in a runner's first call, never in `compile`: the
+engine compiles choices in a thread pool (no order across ranks), but runs each choice's first
+call in lockstep on every rank and eagerly, before any CUDA-graph capture. `compile` does the
+local work: it builds the launch and runs it once on private scratch memory whose barriers are
+pre-satisfied, which compiles the Triton kernel with no cross-rank traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infini_dist.kernels import symm_buffers
+from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce, one_shot_bytes
+from infini_dist.kernels.symm_chain import (ADD_RMS_NORM, MAX_CHAIN, MAX_ROW, NO_NORM, RMS_NORM,
+                                            ChainOp, encode_node)
+from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce, two_shot_bytes
+from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler.choices import Algorithm
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ONE_SHOT_MAX_BYTES = 8 << 20   # past this every rank moving the whole tensor W times loses
+TWO_SHOT_MAX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """What one fused span asks of a kernel launch, by value name."""
+    source: str                   # the input the prologue starts from
+    prologue: tuple               # ChainOps
+    epilogue: tuple
+    norm: int
+    weight: str | None
+    residual: str | None
+    eps: float
+    out: str                      # the value the kernel's `out` holds
+    pre: str | None               # the value its `pre` holds (the norm's input), if live
+    outputs: tuple                # the span's live outputs, each `out` or `pre`
+    shape: tuple
+    dtype: torch.dtype
+    row_len: int | None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def sides(self) -> tuple:
+        return tuple(op.side for op in self.prologue + self.epilogue if op.side is not None)
+
+
+def _same(meta, name, like) -> bool:
+    m = meta.get(name)
+    return m is not None and m.shape == like.shape and m.dtype == like.dtype
+
+
+def plan_span(span, meta, ctx) -> SpanPlan | None:
+    """The launch plan for `span`, or None where our kernels cannot run it. Pure: every rank
+    answers the same for the same span."""
+    graph = span.graph
+    if len(span.anchors) != 1 or ctx.device.type != "cuda" or ctx.world_size < 2:
+        return None
+    anchor = graph.nodes[span.anchors[0]]
+    if anchor.op_type != "all_reduce" or anchor.attr("op", "sum") != "sum":
+        return None
+    if len(anchor.inputs) != 1:
+        return None
+    external = set(span.inputs)
+
+    prologue_nodes = span.nodes(span.prologue)
+    current = prologue_nodes[0].inputs[0] if prologue_nodes else anchor.inputs[0]
+    source = current
+    x = meta.get(source)
+    if x is None or x.dtype not in FLOAT_DTYPES or x.device.type != "cuda" or not x.shape:
+        return None
+    if any(d == 0 for d in x.shape):
+        return None
+
+    def chain(nodes, current):
+        ops = []
+        for node in nodes:
+            op = encode_node(node, current) if len(node.outputs) == 1 else None
+            if op is None or (op.side is not None and
+                              (op.side not in external or not _same(meta, op.side, x))):
+                return None, current
+            ops.append(op)
+            current = node.outputs[0]
+        return tuple(ops), current
+
+    if len(prologue_nodes) > MAX_CHAIN:
+        return None
+    prologue, current = chain(prologue_nodes, current)
+    if prologue is None or current != anchor.inputs[0] or not _same(meta, current, x):
+        return None
+
+    epilogue_nodes = span.nodes(span.epilogue)
+    norm_node = None
+    if epilogue_nodes and op_registry.get_op(epilogue_nodes[-1].op_type).kind == "rowwise":
+        norm_node = epilogue_nodes[-1]
+        epilogue_nodes = epilogue_nodes[:-1]
+    if len(epilogue_nodes) > MAX_CHAIN:
+        return None
+    epilogue, current = chain(epilogue_nodes, anchor.outputs[0])
+    if epilogue is None or not _same(meta, current, x):
+        return None
+
+    norm, weight, residual, eps, pre, out = NO_NORM.value, None, None, 0.0, None, current
+    if norm_node is not None:
+        row_len = x.shape[-1]
+        if row_len > MAX_ROW:
+            return None
+        if norm_node.op_type == "rms_norm" and norm_node.inputs[0] == current:
+            norm, weight = RMS_NORM.value, norm_node.inputs[1]
+            pre, out = current, norm_node.outputs[0]
+        elif (norm_node.op_type == "add_rms_norm" and norm_node.inputs[:2].count(current) == 1
+              and current in norm_node.inputs[:2]):
+            residual = norm_node.inputs[1] if norm_node.inputs[0] == current else norm_node.inputs[0]
+            if residual not in external or not _same(meta, residual, x):
+                return None
+            norm, weight = ADD_RMS_NORM.value, norm_node.inputs[2]
+            out, pre = norm_node.outputs
+        else:
+            return None
+        w = meta.get(weight)
+        if (weight not in external or w is None or w.shape != (row_len,)
+                or not w.dtype.is_floating_point):
+            return None
+        eps = norm_node.attr("eps", 1e-6)
+        if not isinstance(eps, (int, float)):
+            return None
+    outputs = tuple(span.outputs)
+    if not set(outputs) <= {out, pre} - {None}:
+        return None  # an intermediate value is read elsewhere; we do not write it
+    return SpanPlan(source, prologue, epilogue, norm, weight, residual, float(eps), out,
+                    pre if pre in outputs else None, outputs, tuple(x.shape), x.dtype,
+                    x.shape[-1] if norm != NO_NORM.value else None)
+
+
+class _SymmAllReduce(Algorithm):
+    name = "symm"
+    kind = ""
+    max_bytes = 0
+
+    def launcher(self):
+        raise NotImplementedError
+
+    def data_bytes(self, plan: SpanPlan, world_size: int) -> int:
+        raise NotImplementedError
+
+    def supports(self, span, meta, ctx) -> bool:
+        plan = plan_span(span, meta, ctx)
+        return plan is not None and plan.numel * plan.dtype.itemsize <= self.max_bytes
+
+    def launch(self, plan: SpanPlan, env: dict, buffer) -> dict:
+        x = env[plan.source].contiguous()
+        sides = {name: env[name].contiguous() for name in plan.sides}
+        out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
+        pre = torch.empty_like(out) if plan.pre else None
+        self.launcher()(x, buffer, out, prologue=plan.prologue, epilogue=plan.epilogue,
+                        sides=sides, norm=plan.norm,
+                        weight=env[plan.weight].contiguous() if plan.weight else None,
+                        residual=env[plan.residual].contiguous() if plan.residual else None,
+                        eps=plan.eps, pre=pre, row_len=plan.row_len)
+        produced = {plan.out: out, plan.pre: pre}
+        return {name: produced[name] for name in plan.outputs}
+
+    def compile(self, span, meta, ctx):
+        plan = plan_span(span, meta, ctx)
+        if plan is None:
+            raise ValueError(f"{self.name}: span not supported")
+        data_bytes = self.data_bytes(plan, ctx.world_size)
+        with torch.cuda.device(ctx.device):
+            # Warm-up: compile and run once on private scratch with pre-satisfied barriers.
+            names = (plan.source,) + plan.sides + tuple(n for n in (plan.weight, plan.residual) if n)
+            scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
+                       for n in names}
+            buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)
+            self.launch(plan, scratch, buffer)
+            torch.cuda.synchronize(ctx.device)
+            del scratch, buffer
+
+        state = {}
+
+        def run(env):
+            buffer = state.get("buffer")
+            if buffer is None:  # collective; the engine's first call is eager and in lockstep
+                buffer = state["buffer"] = symm_buffers.get_buffer(ctx.group, ctx.device,
+                                                                   self.kind, data_bytes)
+            return self.launch(plan, env, buffer)
+        return run
+
+
+class OneShotAllReduce(_SymmAllReduce):
+    name = "one_shot"
+    kind = "one_shot"
+    max_bytes = ONE_SHOT_MAX_BYTES
+
+    def launcher(self):
+        return one_shot_all_reduce
+
+    def data_bytes(self, plan, world_size):
+        return one_shot_bytes(plan.numel, plan.dtype.itemsize, world_size)
+
+
+class TwoShotAllReduce(_SymmAllReduce):
+    name = "two_shot"
+    kind = "two_shot"
+    max_bytes = TWO_SHOT_MAX_BYTES
+
+    def launcher(self):
+        return two_shot_all_reduce
+
+    def data_bytes(self, plan, world_size):
+        return two_shot_bytes(plan.numel, plan.dtype.itemsize, world_size, plan.row_len,
+                              plan.norm)

@@ -1,0 +1,47 @@
+"""Run functions in a child process where Triton interprets our kernels on the CPU.
+
+TRITON_INTERPRET=1 must be set before Triton makes a kernel, and the stand-in CPU driver that
+`infini_dist.kernels.nt_runtime` installs is process-wide. Both stay in the child, so the pytest
+process, and every other test module it runs (GPU ones included), is left untouched. Each pool
+has its own HOME, so ninetoothed's generated-source cache (~/.ninetoothed) is private to it and
+pytest-xdist workers never share one.
+
+Functions sent to the pool must be module-level; tensors go both ways by pickling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _start(home: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["HOME"] = home
+    import torch
+    torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def interpreter_pool(home: str):
+    os.makedirs(home, exist_ok=True)
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start, initargs=(str(home),))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def run(pool, fn, *args, timeout: float = 300.0, **kwargs):
+    """fn(*args, **kwargs) in the interpreter process; its exceptions re-raise here."""
+    return pool.submit(fn, *args, **kwargs).result(timeout=timeout)
+
+
+def call_kernel(module: str, function: str, *args, **kwargs):
+    """`infini_dist.kernels.<module>.<function>(*args, **kwargs)`, in the interpreter process."""
+    import importlib
+    return getattr(importlib.import_module(f"infini_dist.kernels.{module}"), function)(*args,
+                                                                                       **kwargs)

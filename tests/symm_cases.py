@@ -1,0 +1,126 @@
+"""Graphs, inputs and unfused references shared by the symmetric-memory kernel tests (CPU
+interpreter ranks in test_gpu_symm.py, real GPUs in gpu_symm_worker.py).
+
+Each case is an all_reduce site with its prologue and epilogue, fused at full depth. Inputs are
+random per rank and per call (never zeros); side tensors (residual, norm weight, swiglu up) are
+the same on every rank, as in tensor parallelism, so every rank must get the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
+from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+
+CPU = RunContext(None, 1, 0, torch.device("cpu"))
+
+
+def _graph(nodes, inputs, outputs):
+    return SubGraph(tuple(nodes), tuple(inputs), tuple(outputs))
+
+
+def build(pattern: str) -> SubGraph:
+    ar = OpNode("all_reduce", ("x",), ("y",))
+    if pattern == "plain":
+        return _graph([ar], ["x"], ["y"])
+    if pattern == "add_rms_norm":
+        return _graph([ar, OpNode("add_rms_norm", ("y", "res", "w"), ("n", "r"), {"eps": 1e-5})],
+                      ["x", "res", "w"], ["n", "r"])
+    if pattern == "add_then_rms_norm":
+        return _graph([ar, OpNode("add", ("res", "y"), ("s",)),
+                       OpNode("rms_norm", ("s", "w"), ("n",), {"eps": 1e-6})],
+                      ["x", "res", "w"], ["n", "s"])
+    if pattern == "relu_scale":
+        return _graph([ar, OpNode("relu", ("y",), ("a",)),
+                       OpNode("scale", ("a",), ("b",), {"scale": 0.37})], ["x"], ["b"])
+    if pattern == "swiglu":
+        return _graph([ar, OpNode("swiglu", ("y", "up"), ("o",))], ["x", "up"], ["o"])
+    if pattern == "swiglu_up":
+        return _graph([ar, OpNode("swiglu", ("gate", "y"), ("o",))], ["x", "gate"], ["o"])
+    if pattern == "prologue_gelu":
+        return _graph([OpNode("silu", ("x",), ("a",)), OpNode("scale", ("a",), ("b",),
+                                                               {"scale": 2.0}),
+                       OpNode("all_reduce", ("b",), ("y",)),
+                       OpNode("gelu", ("y",), ("g",), {"approximate": "tanh"}),
+                       OpNode("mul", ("g", "up"), ("o",)),
+                       OpNode("sigmoid", ("o",), ("q",))], ["x", "up"], ["q"])
+    if pattern == "prologue_norm":
+        return _graph([OpNode("relu", ("x",), ("a",)), OpNode("all_reduce", ("a",), ("y",)),
+                       OpNode("gelu", ("y",), ("g",)),
+                       OpNode("add_rms_norm", ("res", "g", "w"), ("n", "r"))],
+                      ["x", "res", "w"], ["n", "r"])
+    raise ValueError(pattern)
+
+
+PATTERNS = ("plain", "add_rms_norm", "add_then_rms_norm", "relu_scale", "swiglu", "swiglu_up",
+            "prologue_gelu", "prologue_norm")
+
+
+def full_span(graph: SubGraph) -> FusedSpan:
+    site = find_sites(graph)[0]
+    return FusedSpan(graph, site.prologue, site.anchors, site.epilogue)
+
+
+def make_inputs(graph, shape, dtype, rank, call, device="cpu") -> dict:
+    """x differs per rank and call; the side tensors differ per call only."""
+    values = {}
+    for name in graph.input_names:
+        seed = 1000 * call + (rank + 1 if name == "x" else 100 + len(values))
+        g = torch.Generator().manual_seed(seed)
+        size = (shape[-1],) if name == "w" else shape
+        t = torch.randn(size, generator=g)
+        if name == "w":
+            t = 0.5 + t.abs()
+        values[name] = t.to(dtype).to(device)
+    return values
+
+
+def meta_of(graph, shape, dtype, device_type="cuda") -> dict:
+    """Every value's TensorMeta from one unfused pass on CPU, placed on `device_type`."""
+    inputs = make_inputs(graph, shape, dtype, 0, 0)
+    env = dict(inputs)
+    site = find_sites(graph)[0]
+    run_nodes(graph, site.prologue, env, CPU)
+    anchor = graph.nodes[site.anchors[0]]
+    env[anchor.outputs[0]] = env[anchor.inputs[0]].clone()
+    run_nodes(graph, site.epilogue, env, CPU)
+    return {n: TensorMeta(tuple(v.shape), v.dtype, torch.device(device_type), True)
+            for n, v in env.items()}
+
+
+def reference(graph, inputs_per_rank: list, rank: int) -> dict:
+    """The unfused graph on rank `rank`'s inputs, the all_reduce summing every rank's value in
+    fp32 and rounding once (the result every algorithm must reach)."""
+    site = find_sites(graph)[0]
+    envs = [dict(values) for values in inputs_per_rank]
+    for env in envs:
+        run_nodes(graph, site.prologue, env, CPU)
+    anchor = graph.nodes[site.anchors[0]]
+    source = anchor.inputs[0]
+    total = sum(env[source].double() for env in envs).to(envs[rank][source].dtype)
+    env = envs[rank]
+    env[anchor.outputs[0]] = total
+    run_nodes(graph, site.epilogue, env, CPU)
+    return {n: env[n] for n in graph.output_names}
+
+
+def digest(values: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(values):
+        h.update(values[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def max_error(got: dict, expected: dict) -> float:
+    """Largest |got - expected| / (1 + |expected|) over all outputs."""
+    worst = 0.0
+    for name, e in expected.items():
+        g = got[name].double().cpu()
+        e = e.double().cpu()
+        assert g.shape == e.shape, (name, g.shape, e.shape)
+        worst = max(worst, float(((g - e).abs() / (1 + e.abs())).max()))
+    return worst
+
