@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.kernels.chain import Chain, UnsupportedChain, chain_from_nodes
-from infini_dist.kernels.rows import FLOAT_DTYPES, MAX_ROW_BLOCK, next_power_of_2
+from infini_dist.kernels.rows import (FLOAT_DTYPES, INT32_LIMIT, MAX_ROW_BLOCK, broadcast_shape,
+                                      next_power_of_2)
 from infini_dist.scheduler.choices import Algorithm
 from infini_dist.scheduler.ir import external_inputs
-
-_INT32_LIMIT = 1 << 31
 
 
 class _Plan(NamedTuple):
@@ -65,7 +64,7 @@ def plan(span, meta) -> _Plan:
     numel = 1
     for size in shape:
         numel *= size
-    if not 0 < numel < _INT32_LIMIT:
+    if not 0 < numel < INT32_LIMIT:
         raise UnsupportedChain(f"{numel} elements is outside (0, 2**31)")
     cols = shape[-1] if shape else 1
     if chain.rowwise and next_power_of_2(cols) > MAX_ROW_BLOCK:
@@ -86,8 +85,8 @@ def plan(span, meta) -> _Plan:
         if kind == "weight" and side_shape != (cols,):
             raise UnsupportedChain(f"weight {name!r} has shape {side_shape}, not ({cols},)")
         try:
-            broadcast = tuple(torch.broadcast_shapes(side_shape, shape))
-        except RuntimeError:
+            broadcast = tuple(broadcast_shape((side_shape, shape)))
+        except ValueError:
             broadcast = None
         if kind == "row" and broadcast != shape:
             raise UnsupportedChain(f"{name!r} of shape {side_shape} does not broadcast to {shape}")

@@ -7,8 +7,10 @@ driver so the kernels run under Triton's interpreter (TRITON_INTERPRET=1) on mac
   imports it if the file exists. Ranks sharing a home directory can import a half-written file, so
   `prepare()` swaps in a write-to-temp-then-rename.
 - Under TRITON_INTERPRET=1 without a GPU, Triton has no active driver and ninetoothed's code
-  generator asks it for device properties; `prepare()` installs `_CpuDriver`. The interpreter also
-  recognises `tl.constexpr` annotations only in that spelling (see `_interpretable`).
+  generator asks it for device properties; `prepare()` installs `_CpuDriver`.
+- `make` takes concrete block sizes: no meta-parameters, so no autotuning (per-rank timing would
+  give ranks different kernels, and the interpreter cannot time) and none of the interpreter's
+  trouble with `triton.language.constexpr` annotations.
 
 TRITON_INTERPRET must be set before the first kernel is made: Triton reads it when it decorates a
 kernel, and the kernel caches keep what was made.
@@ -17,7 +19,6 @@ kernel, and the kernel caches keep what was made.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from types import SimpleNamespace
 
@@ -27,8 +28,6 @@ _prepared = False
 # What an H100/H200 reports; ninetoothed derives its default warps/stages and tile limits from it.
 _DEVICE_PROPERTIES = {"max_shared_mem": 232448, "max_num_regs": 65536, "multiprocessor_count": 132,
                       "warpSize": 32}
-
-_LONG_CONSTEXPR = re.compile(r"\btriton\.language\.constexpr\b")
 
 
 def interpreting() -> bool:
@@ -61,23 +60,10 @@ class _CpuDriver:
     def get_current_target(self):
         return None
 
-    def get_benchmarker(self):
-        import triton.testing
-        return triton.testing.do_bench
-
-
-def _interpretable(source: str) -> str:
-    # Meta-parameters are annotated `triton.language.constexpr`; the interpreter reads annotations
-    # as strings and would otherwise treat them as tensors ("arange's arguments must be of type
-    # tl.constexpr").
-    return _LONG_CONSTEXPR.sub("tl.constexpr", source)
-
 
 def _atomic_cache_source(generation):
     def cache_source(source):
         import hashlib
-        if interpreting():
-            source = _interpretable(source)
         digest = hashlib.sha256(source.encode("utf-8")).hexdigest()
         path = generation.CACHE_DIR / f"{digest}.py"
         if not path.exists():

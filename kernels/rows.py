@@ -17,7 +17,7 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROW_BLOCK = 1 << 16  # a row-wise tile holds the whole row; longer rows are refused
 TILE_ELEMENTS = 2048  # per program: 8 per thread at 8 warps, a 16-byte access for 16-bit dtypes
-_INT32_LIMIT = 1 << 31  # ninetoothed computes offsets in int32
+INT32_LIMIT = 1 << 31  # ninetoothed computes offsets in int32
 
 
 def arrangement(*tensors, block_m, block_n):
@@ -50,9 +50,9 @@ def check_dtypes(*tensors: torch.Tensor) -> None:
 
 def _check_extent(view: torch.Tensor) -> None:
     extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(view.shape, view.stride()))
-    if view.numel() and extent >= _INT32_LIMIT:
+    if view.numel() and extent >= INT32_LIMIT:
         raise ValueError(f"tensor spans {extent} elements; these kernels index with int32 "
-                         f"(limit {_INT32_LIMIT - 1})")
+                         f"(limit {INT32_LIMIT - 1})")
 
 
 def as_rows(t: torch.Tensor, shape: torch.Size, written: bool = False) -> torch.Tensor:
@@ -60,7 +60,7 @@ def as_rows(t: torch.Tensor, shape: torch.Size, written: bool = False) -> torch.
     copied; an output must be a view (a copy would drop what the kernel writes)."""
     cols = shape[-1] if len(shape) else 1
     if t.is_contiguous() and t.shape == shape:  # the common case, kept cheap (it runs per call)
-        if t.numel() >= _INT32_LIMIT:
+        if t.numel() >= INT32_LIMIT:
             raise ValueError(f"{t.numel()} elements; these kernels index with int32")
         return t.view(-1, cols)
     if not written:
@@ -81,7 +81,7 @@ def elementwise_views(inputs, outs, shape):
     tensors = list(inputs) + list(outs)
     numel = shape.numel()
     if all(tuple(t.shape) == tuple(shape) and t.is_contiguous() for t in tensors):
-        if numel >= _INT32_LIMIT:
+        if numel >= INT32_LIMIT:
             raise ValueError(f"{numel} elements; these kernels index with int32")
         return [t.view(1, numel) for t in tensors], 1, min(TILE_ELEMENTS, next_power_of_2(numel))
     views = ([as_rows(t, shape) for t in inputs]
@@ -142,7 +142,7 @@ def run_elementwise(make, inputs, scalars=(), out=None, out_dtype=None):
 
 def run_rowwise(make, inputs, weight, scalars, outs):
     """Launch the row-wise kernel that `make(block_m, block_n, num_warps)` builds with arguments
-    (row inputs..., weight, scalars..., row count, outputs...). `outs` are already allocated."""
+    (row inputs..., weight, scalars..., row length, outputs...). `outs` are already allocated."""
     check_dtypes(*inputs, weight)
     shape = outs[0].shape
     cols = shape[-1] if len(shape) else 1

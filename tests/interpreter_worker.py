@@ -14,7 +14,27 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
+from importlib import metadata
+
+
+def _version(package: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in re.findall(r"\d+", metadata.version(package))[:2])
+    except metadata.PackageNotFoundError:
+        return ()
+
+
+def interpreter_unusable() -> str | None:
+    """Why Triton's interpreter cannot run here, or None. (Triton 3.6's interpreter breaks with
+    numpy >= 2.4, the combination on the GPU image; the GPU tests cover the kernels there.)"""
+    triton, numpy = _version("triton"), _version("numpy")
+    if not triton or not numpy:
+        return "triton or numpy is not installed"
+    if triton < (3, 9) and numpy >= (2, 4):
+        return f"Triton {triton} interpreter does not work with numpy {numpy}"
+    return None
 
 
 def _start(home: str) -> None:

@@ -7,7 +7,10 @@ ports, and every run gets its own decision-cache dir unless the caller passes on
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_module
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -26,7 +29,9 @@ def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env):
         import infini_dist
         infini_dist.config.cache_dir = cache_dir
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensors by value; the queue's own pickler would share their memory,
+        # which vanishes when this process exits before the parent reads it.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException as error:  # report, never hang the parent
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
     finally:
@@ -52,13 +57,26 @@ def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
         for p in procs:
             p.start()
         results: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world_size):
-                rank, status, value = queue.get(timeout=timeout)
-                results[rank] = (status, value)
-        except Exception:
-            raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not "
-                               f"finish within {timeout}s; finished: {results}") from None
+            while len(results) < world_size:
+                try:
+                    rank, status, value = queue.get(timeout=1.0)
+                    results[rank] = (status, value)
+                    continue
+                except queue_module.Empty:
+                    pass
+                # A rank that died without reporting (killed, crashed) will never report.
+                dead = [r for r, p in enumerate(procs) if r not in results and
+                        p.exitcode is not None]
+                if dead and queue.empty():
+                    time.sleep(1.0)
+                    if queue.empty():
+                        raise RuntimeError(f"ranks {dead} exited (codes "
+                                           f"{[procs[r].exitcode for r in dead]}) without a result")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} "
+                                       f"did not finish within {timeout}s")
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -68,4 +86,4 @@ def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
     if errors:
         raise RuntimeError("rank failures:\n" + "\n".join(f"[rank {r}] {v}"
                                                           for r, v in sorted(errors.items())))
-    return [results[r][1] for r in range(world_size)]
+    return [pickle.loads(results[r][1]) for r in range(world_size)]

@@ -376,3 +376,12 @@ def test_compile_model_rejects_unknown_backends():
     with pytest.raises(ValueError, match="Inductor"):
         idc.compile_model(torch.nn.Linear(2, 2), backend="infini_dist", mode="max-autotune")
     assert "infini_dist" in torch._dynamo.list_backends()
+
+
+def test_a_second_wait_on_the_reduced_value_is_absorbed():
+    def f(x):  # dynamo's trace of funcol code that waits explicitly looks like this
+        return torch.relu(c10d.wait_tensor(ar(x)))
+    gm = export(f, rand(4, 16))
+    (sub,) = fuse(gm)
+    assert ops_of(sub) == ["all_reduce", "relu"]
+    assert c10d.wait_tensor.default not in [n.target for n in gm.graph.nodes]

@@ -16,7 +16,7 @@ from infini_dist.kernels.chain import Chain, Step, UnsupportedChain, chain_from_
 from infini_dist.scheduler import ops
 from infini_dist.scheduler.choices import RunContext, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph
-from interpreter_worker import call_kernel, interpreter_pool, run
+from interpreter_worker import call_kernel, interpreter_pool, interpreter_unusable, run
 
 CPU = RunContext(None, 1, 0, torch.device("cpu"))
 
@@ -30,6 +30,8 @@ ULP = {torch.float32: 2.0 ** -21, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
+    if interpreter_unusable():
+        pytest.skip(interpreter_unusable())
     with interpreter_pool(str(tmp_path_factory.mktemp("ninetoothed_home"))) as p:
         yield p
 
@@ -261,6 +263,21 @@ def _application_identity(chain):
     return first is same and "relu_fp32(v_0)" in inspect.getsource(first)
 
 
+def test_runtime_fixes_are_installed(pool):
+    patched, leftovers, generated = run(pool, _runtime_state)
+    assert patched and generated and not leftovers
+
+
+def _runtime_state():
+    import ninetoothed.generation as generation
+
+    from infini_dist.kernels.relu import relu
+    relu(torch.randn(4, 8))
+    files = [p.name for p in generation.CACHE_DIR.iterdir()]
+    return (getattr(generation.cache_source, "_infini_dist", False),
+            [f for f in files if f.endswith(".tmp")], [f for f in files if f.endswith(".py")])
+
+
 # ---- the chain format (no Triton) ----------------------------------------------------------------
 
 def test_chain_from_nodes_maps_slots_and_attrs():
@@ -302,3 +319,63 @@ def test_chain_canonical_form():
 def test_chain_rejects(nodes, inputs, outputs, match):
     with pytest.raises(UnsupportedChain, match=match):
         chain_from_nodes(nodes, inputs, outputs)
+
+
+# ---- on a GPU, in process (skipped without one) ----------------------------------------------------
+
+GPU_SHAPES = [(1, 4096), (128, 5120), (3, 4100), (2, 3, 37), (8192, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernels_on_gpu(dtype):
+    import importlib
+    kernel = {name: getattr(importlib.import_module(f"infini_dist.kernels.{name}"), name)
+              for name in ("relu", "sigmoid", "silu", "gelu", "scale", "relu_scale", "add", "mul",
+                           "swiglu", "rms_norm", "add_rms_norm")}
+    ulps = 8 if dtype == torch.float32 else 1  # GPU exp/rsqrt are a few fp32 ulps off libm's
+    for shape in GPU_SHAPES:
+        x = randn(shape, dtype, 1).cuda()
+        y = randn(shape, dtype, 2).cuda()
+        w = randn(shape[-1:], torch.float32, 3).cuda()
+        cases = {
+            "relu": (kernel["relu"](x), reference("relu", x)),
+            "sigmoid": (kernel["sigmoid"](x), reference("sigmoid", x)),
+            "silu": (kernel["silu"](x), reference("silu", x)),
+            "gelu": (kernel["gelu"](x), reference("gelu", x)),
+            "gelu_tanh": (kernel["gelu"](x, "tanh"), reference("gelu", x, approximate="tanh")),
+            "scale": (kernel["scale"](x, 0.37), reference("scale", x, scale=0.37)),
+            "relu_scale": (kernel["relu_scale"](x, 2.5),
+                           reference("scale", reference("relu", x), scale=2.5)),
+            "add": (kernel["add"](x, y), reference("add", x, y)),
+            "mul": (kernel["mul"](x.transpose(-1, 0), y.transpose(-1, 0)),
+                    reference("mul", x.transpose(-1, 0), y.transpose(-1, 0))),
+            "swiglu": (kernel["swiglu"](x, y), reference("swiglu", x, y)),
+            "rms_norm": (kernel["rms_norm"](x, w, 1e-5), reference("rms_norm", x, w, eps=1e-5)),
+        }
+        normed, total = kernel["add_rms_norm"](x, y, w, 1e-6)
+        expected_normed, expected_total = reference("add_rms_norm", x, y, w, eps=1e-6)
+        cases["add_rms_norm"] = (normed, expected_normed)
+        cases["add_rms_norm_sum"] = (total, expected_total)
+        for name, (got, expected) in cases.items():
+            assert_matches(got, expected, ulps=ulps, what=f"{name} {shape}")
+        again = kernel["rms_norm"](x, w, 1e-5)
+        assert torch.equal(again, cases["rms_norm"][0])  # fixed tiles: same bits every run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_chain_kernel_on_gpu(name, dtype):
+    from infini_dist.kernels.elementwise_chain import elementwise_chain
+    nodes, inputs, outputs = CHAINS[name]
+    chain = chain_from_nodes(nodes, inputs, outputs)
+    for shape in GPU_SHAPES:
+        tensors = [t.cuda() for t in chain_inputs(name, shape, dtype)]
+        got = elementwise_chain(chain, *tensors)
+        stepwise = unfused(nodes, inputs, outputs, tensors)
+        in_fp32 = unfused(nodes, inputs, outputs, [t.float() for t in tensors])
+        for g, s, f in zip(got, stepwise, in_fp32):
+            assert_matches(g, f.to(s.dtype), ulps=8 if dtype == torch.float32 else 1,
+                           what=f"{name} {shape}")
+            assert ops.close_enough(g, s), (name, shape)

@@ -1,6 +1,7 @@
 """`nccl+nt_epilogue` on the CPU: which spans it takes (supports() is pure Python, checked in
 process with CUDA metadata), and its runner on 2 gloo ranks with the kernel run by Triton's
-interpreter (in fresh rank processes, each with its own HOME for ninetoothed's cache)."""
+interpreter (in fresh rank processes, each with its own HOME for ninetoothed's cache): called
+directly, and as choices the engine tunes, checks against the baseline and across ranks."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import os
 import pytest
 import torch
 
+from infini_dist.kernels.chain import UnsupportedChain
 from infini_dist.kernels.nccl_epilogue import NcclEpilogueAlgorithm, plan
 from infini_dist.scheduler import ops
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+from interpreter_worker import interpreter_unusable
 from multirank import run_ranks
 
 CUDA = torch.device("cuda")
@@ -43,8 +46,8 @@ GRAPHS = {
     "relu_scale": ([N("all_reduce", "x", "y"), N("relu", "y", "r"),
                     N("scale", "r", "out", scale=0.125)], ["x"], ["out"]),
     "swiglu": ([N("all_reduce", "x", "y"), N("swiglu", "y", "up", "out")], ["x", "up"], ["out"]),
-    "reduced_also_read": ([N("all_reduce", "x", "y"), N("gelu", "y", "g"), N("mul", "g", "y", "out")],
-                          ["x"], ["out", "y"]),
+    "reduced_also_read": ([N("all_reduce", "x", "y"), N("gelu", "y", "g"),
+                           N("mul", "g", "y", "out")], ["x"], ["out", "y"]),
     "custom_op": ([N("all_reduce", "x", "y"), N("test_nccl_epilogue_cube", "y", "out")],
                   ["x"], ["out"]),
 }
@@ -131,8 +134,10 @@ def test_plan_reuses_the_reduced_buffer_only_when_it_is_not_an_output():
 
 # ---- the runner on 2 gloo ranks, kernels interpreted ---------------------------------------------
 
-RUN_CASES = [("add_rms_norm_pair", torch.bfloat16, (2, 3, 37)), ("add_rms_norm", torch.float32, (4, 64)),
-             ("relu_scale", torch.float32, (5, 37)), ("reduced_also_read", torch.bfloat16, (3, 37))]
+RUN_CASES = [("add_rms_norm_pair", torch.bfloat16, (2, 3, 37)),
+             ("add_rms_norm", torch.float32, (4, 64)),
+             ("relu_scale", torch.float32, (5, 37)),
+             ("reduced_also_read", torch.bfloat16, (3, 37))]
 
 
 def _digest(t):
@@ -160,9 +165,39 @@ def _rank_runs(rank, world_size, home):
             "input_untouched": torch.equal(before, inputs["x"]),
             "close": {n: ops.close_enough(got[n], env[n]) for n in span.outputs if n in got},
             "digests": {n: _digest(t) for n, t in got.items()}}
+    results["engine"] = _through_the_engine(rank)
     return results
 
 
+class _CpuNcclEpilogue(NcclEpilogueAlgorithm):
+    """The same algorithm, allowed on CPU tensors (gloo reduces, the interpreter runs kernels)."""
+
+    def supports(self, span, meta, ctx):
+        try:
+            plan(span, meta)
+        except UnsupportedChain:
+            return False
+        return True
+
+
+def _through_the_engine(rank):
+    """Tune a site with the engine: every choice of ours must pass its checks (against the
+    unfused baseline, and bitwise across ranks) and survive as a candidate."""
+    import infini_dist
+    from infini_dist.scheduler.choices import register_algorithm
+    from infini_dist.scheduler.engine import executor_for
+    register_algorithm("all_reduce", "cpu", _CpuNcclEpilogue())
+    nodes, inputs, outputs = GRAPHS["add_rms_norm_pair"]
+    graph = SubGraph(tuple(nodes), tuple(inputs), tuple(outputs))
+    values = tensors_for("add_rms_norm_pair", (3, 37), torch.bfloat16)
+    values["x"] = values["x"] * (rank + 1)
+    with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1, enable_disk_cache=False):
+        executor = executor_for(graph)
+        executor.run(values)
+        return executor.site_runners()[0].last_tuning["candidates"]
+
+
+@pytest.mark.skipif(interpreter_unusable() is not None, reason=str(interpreter_unusable()))
 def test_runner_on_two_gloo_ranks(tmp_path):
     per_rank = run_ranks(_rank_runs, 2, str(tmp_path), env={"TRITON_INTERPRET": "1"},
                          timeout=300)
@@ -173,3 +208,6 @@ def test_runner_on_two_gloo_ranks(tmp_path):
             assert result["outputs"] == result["expected"], name
             assert all(result["close"].values()), (name, rank, result["close"])
         assert per_rank[0][name]["digests"] == per_rank[1][name]["digests"], name
+    ours = [c for c in per_rank[0]["engine"] if c.startswith("nccl+nt_epilogue")]
+    assert ours == ["nccl+nt_epilogue[p0,e1]", "nccl+nt_epilogue[p0,e2]"], per_rank[0]["engine"]
+    assert per_rank[0]["engine"] == per_rank[1]["engine"]

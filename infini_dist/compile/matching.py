@@ -98,8 +98,11 @@ def all_reduce_anchor(node: fx.Node) -> IROp | None:
     if (str(reduce_op).lower() != "sum" or not isinstance(group_name, str)
             or not _is_tensor(source) or len(users) != 1 or users[0].target is not WAIT):
         return None
-    return IROp("all_reduce", [source], [users[0]], {"op": "sum", "group_name": group_name},
-                frozenset((node, users[0])))
+    waits = [users[0]]
+    while len(waits[-1].users) == 1 and next(iter(waits[-1].users)).target is WAIT:
+        waits.append(next(iter(waits[-1].users)))  # dynamo may wait again on the waited value
+    return IROp("all_reduce", [source], [waits[-1]], {"op": "sum", "group_name": group_name},
+                frozenset([node, *waits]))
 
 
 def custom_anchor(node: fx.Node, custom: frozenset) -> IROp | None:

@@ -89,6 +89,7 @@ def _fake_outputs(inputs: list, text: str) -> list:
 def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
     """Rewrite every site of `graph` in place; returns the SubGraph text of each."""
     stats["graphs"] += 1
+    last_sites.clear()
     if not settings.enable_custom_op_fusion:
         return []
     custom = matching.anchor_names()
