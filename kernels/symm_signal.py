@@ -29,15 +29,16 @@ def peer_pointer(table, peer, dtype: tl.constexpr):
     return tl.multiple_of(address.to(tl.pointer_type(dtype)), 16)
 
 
+# The unused operand `anchor` gives the asm a scalar shape on every Triton version.
 @triton.jit
-def _globaltimer():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+def _globaltimer(anchor):
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [anchor],
+                                     dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
-def _trap():
-    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+def _trap(anchor):
+    tl.inline_asm_elementwise("trap;", "=r,r", [anchor], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -55,11 +56,11 @@ def block_barrier(signal_table, rank, slot, timeout_ns, WORLD_SIZE: tl.constexpr
     mine = tl.load(signal_table + rank).to(tl.pointer_type(tl.int32)) + first_flag + peers
     arrived = tl.load(mine, mask=valid, other=1, volatile=True)
     if ON_GPU:
-        started = _globaltimer()
+        started = _globaltimer(rank)
     while tl.min(arrived, 0) == 0:
         if ON_GPU:
-            if _globaltimer() - started > timeout_ns:
-                _trap()
+            if _globaltimer(rank) - started > timeout_ns:
+                _trap(rank)
         arrived = tl.load(mine, mask=valid, other=1, volatile=True)
     # The acquiring decrement reads the releasing increment: peers' writes are now visible.
     tl.atomic_add(mine, -1, mask=valid, sem="acquire", scope="sys")

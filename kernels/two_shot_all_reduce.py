@@ -50,27 +50,29 @@ def two_shot_all_reduce_kernel(
     stage_stride = items.to(tl.int64) * SUB
     gathered = WORLD_SIZE * stage_stride
 
+    # Phase 1 moves a whole item as a [owner, sub-shard] tile: all its loads are in flight
+    # together, and row q of the tile is stored straight into owner q's staging slot.
+    owners = tl.arange(0, WS_P2)
+    owner_ok = owners < WORLD_SIZE
+    staging_of = tl.load(data_table + owners, mask=owner_ok, other=0)
+    staging_of = tl.multiple_of(staging_of.to(tl.pointer_type(dtype)), 16) + rank * stage_stride
+    tile = owners[:, None] * SUB + sub[None, :]
+    tile_ok = owner_ok[:, None] & (sub < SUB)[None, :] & (tile < ITEM)
     for item in range(first_item, items, programs):
-        start = item * ITEM
-        for step in tl.static_range(WORLD_SIZE):
-            owner = (rank + step) % WORLD_SIZE  # staggered, so owners are not all hit at once
-            within = owner * SUB + sub
-            index = start + within
-            mask = (sub < SUB) & (within < ITEM) & (index < numel)
-            x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
-            x = apply_chain(x, index, mask, P_OP0, p_scalar0, p_side0, P_OP1, p_scalar1, p_side1,
-                            P_OP2, p_scalar2, p_side2, dtype)
-            staging = peer_pointer(data_table, owner, dtype) + rank * stage_stride + item * SUB
-            tl.store(staging + sub, x.to(dtype), mask=mask)
+        index = item * ITEM + tile
+        mask = tile_ok & (index < numel)
+        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+        x = apply_chain(x, index, mask, P_OP0, p_scalar0, p_side0, P_OP1, p_scalar1, p_side1,
+                        P_OP2, p_scalar2, p_side2, dtype)
+        tl.store(staging_of[:, None] + (item * SUB + sub)[None, :], x.to(dtype), mask=mask)
 
     block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
 
     local = peer_pointer(data_table, rank, dtype)
     for item in range(first_item, items, programs):
-        start = item * ITEM
-        within = rank * SUB + sub
-        index = start + within
-        mask = (sub < SUB) & (within < ITEM) & (index < numel)
+        owned = rank * SUB + sub
+        index = item * ITEM + owned
+        mask = (sub < SUB) & (owned < ITEM) & (index < numel)
         total = tl.zeros([SUB_BLOCK], dtype=tl.float32)
         for source in tl.static_range(WORLD_SIZE):
             total += tl.load(local + source * stage_stride + item * SUB + sub, mask=mask,

@@ -184,7 +184,8 @@ def test_a_site_is_not_moved_across_another_collective():
         return torch.relu(h), gathered
     gm = export(f, rand(4, 16), rand(4, 16, seed=1))
     order = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert order.index(c10d.all_gather_into_tensor.default) < order.index(torch.ops.aten.relu.default)
+    gather = order.index(c10d.all_gather_into_tensor.default)
+    assert gather < order.index(torch.ops.aten.relu.default)
     (sub,) = fuse(gm)
     assert ops_of(sub) == ["all_reduce"]  # relu comes after the all_gather: left out
 
@@ -270,6 +271,28 @@ def test_registered_user_op_becomes_a_site_and_runs():
     assert runtime_op.decisions() and runtime_op.decisions()[-1]["op"].startswith("idtest::")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rewritten_chains_compute_what_the_graph_did(dtype):
+    """Every form's IR op and captured attributes, checked by running the rewritten graph. A
+    user op anchors the site, so no process group is needed to run it."""
+    def f(x, up, s, residual, w):
+        h = torch.ops.idtest.scaled_copy(x, 3.0)
+        a = F.gelu(F.gelu(F.silu(h) * up, approximate="tanh")) * s
+        b = torch.sigmoid(torch.relu(a)) * 0.75 + residual
+        return llama_norm(b, w, 1e-5), b
+    args = (rand(4, 16, dtype=dtype), rand(4, 16, dtype=dtype, seed=1),
+            rand(4, 16, dtype=dtype, seed=2), rand(4, 16, dtype=dtype, seed=3),
+            rand(16, dtype=dtype, seed=4))
+    gm = export(f, *args)
+    (sub,) = fuse(gm, max_fusion_depth=10)
+    assert ops_of(sub) == ["idtest::scaled_copy", "swiglu", "gelu", "gelu", "mul", "relu",
+                           "sigmoid", "scale", "add_rms_norm"]
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6}[dtype]
+    for got, want in zip(gm(*args), f(*args)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
 def test_missing_decision_under_cuda_graph_capture_runs_the_baseline(monkeypatch, caplog):
     sub = SubGraph((OpNode("idtest::scaled_copy", ("x",), ("y",), {"alpha": 2.0}),
                     OpNode("relu", ("y",), ("z",))), ("x",), ("z",))
@@ -309,7 +332,7 @@ def test_fake_outputs_follow_the_subgraph():
 
 
 def test_uuid_tracks_the_flags_it_reads():
-    base = idc.FUSION_PASS.uuid() if hasattr(idc, "FUSION_PASS") else idc.FusionPass().uuid()
+    base = idc.FusionPass().uuid()
     assert isinstance(base, str) and base == idc.FusionPass().uuid()
     for flags in ({"max_fusion_depth": 1}, {"enable_custom_op_fusion": False},
                   {"custom_op_fusion_types": ("epilogue",)}, {"enable_recursive_fusion": False}):

@@ -43,6 +43,11 @@ def _max_diff(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
+def _rel_diff(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float(((a - b).abs() / (1 + b.abs())).max())
+
+
 # ---- a tensor-parallel block through Inductor ---------------------------------------------------
 
 def tp_block_rank(rank, world):
@@ -69,7 +74,8 @@ def tp_block_rank(rank, world):
         hits = counters["inductor"]["fxgraph_cache_hit"]
         again = idc.compile_model(block)(x)
         hits = counters["inductor"]["fxgraph_cache_hit"] - hits
-    return {"sites": sites, "executed": executed, "replaced": replaced, "replaced_after_hit": idc.stats["sites"],
+    return {"sites": sites, "executed": executed, "replaced": replaced,
+            "replaced_after_hit": idc.stats["sites"],
             "cache_hits": hits, "decided": decided, "tp_vs_full": _max_diff(eager, reference),
             "compiled_vs_eager": _max_diff(out, eager), "cached_vs_eager": _max_diff(again, eager)}
 
@@ -97,7 +103,7 @@ def test_tp_llama_block_compiled_with_inductor(tmp_path):
     assert results[0]["decided"] == results[1]["decided"]
 
 
-# ---- hand-written funcol: prologue, all_reduce, relu * scale --------------------------------------
+# ---- hand-written funcol: prologue, all_reduce, relu * scale -------------------------------------
 
 def funcol_rank(rank, world):
     import torch.distributed as dist
@@ -155,7 +161,7 @@ def backend_rank(rank, world):
         with infini_dist.config.patch(**flags):
             out = torch.compile(block, backend="infini_dist")(*args)
         results[name] = {"sites": list(idc.last_sites),
-                         "diff": [_max_diff(o, e) for o, e in zip(out, eager)],
+                         "diff": [_rel_diff(o, e) for o, e in zip(out, eager)],
                          "equal": [torch.equal(o, e) for o, e in zip(out, eager)]}
     return results
 
@@ -167,7 +173,7 @@ def test_backend_coalesces_and_obeys_the_flags(tmp_path):
         (sub,) = [subgraph_from_json(t) for t in r["fused"]["sites"]]
         assert [n.op_type for n in sub.nodes] == ["all_reduce", "all_reduce", "add_rms_norm",
                                                   "swiglu"]
-        # bf16: one rounding of the output per fused step, relative to the values (~1-4).
-        assert max(r["fused"]["diff"]) < 0.1
+        # bf16 (8 bits): a rounding or two apart from eager, whichever choice was committed.
+        assert max(r["fused"]["diff"]) < 2 ** -6
         assert r["off"]["sites"] == [] and all(r["off"]["equal"])
     assert results[0]["fused"] == results[1]["fused"]  # same sites, same (replicated) results

@@ -5,9 +5,14 @@
     infini_dist.compile.compile_model(model)      # the same, mode= and options= welcome
     torch.compile(model, backend="infini_dist")   # the pass without Inductor
 
-The pass (`passes.FusionPass`) runs after Inductor's own post-grad passes. Flags it obeys:
-`enable_custom_op_fusion` (off: graphs untouched), `custom_op_fusion_types` ('prologue',
-'epilogue', 'cross_subgraph'), `max_fusion_depth` (ops captured per chain).
+The pass (`passes.FusionPass`) runs after Inductor's own post-grad passes and replaces each
+all_reduce (or registered user op, matched by its 'ns::op' name) and the ops around it with one
+`infini_dist::fused_site` call that the engine tunes at run time. Flags it obeys, read when a
+graph is compiled: `enable_custom_op_fusion` (off: graphs untouched), `custom_op_fusion_types`
+('prologue', 'epilogue', 'cross_subgraph'), `max_fusion_depth` (IR ops captured per chain).
+They are part of the pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo
+does not know them, so call torch._dynamo.reset() after changing them in a running process.
+`decisions()` lists what the compiled sites committed; `stats` and `last_sites` what the pass did.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ _installed: dict = {}  # what enable() replaced, and what it put there
 
 
 def _takes_a_list() -> bool:
-    # torch >= 2.12 runs a list of post-grad passes; 2.11 takes exactly one.
+    # Newer torch (2.13 here) runs a list of post-grad passes; 2.11 takes exactly one.
     from torch._inductor import custom_graph_pass
     return hasattr(custom_graph_pass, "get_custom_graph_passes")
 

@@ -23,7 +23,6 @@ import torch.fx as fx
 
 from infini_dist.config import Settings
 from infini_dist.scheduler import ops as op_registry
-from infini_dist.scheduler.ir import OpNode, SubGraph
 from infini_dist.compile import patterns
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -88,7 +87,7 @@ def is_collective(node: fx.Node, custom: frozenset) -> bool:
     return False
 
 
-# ---- anchors --------------------------------------------------------------------------------------
+# ---- anchors -------------------------------------------------------------------------------------
 
 def all_reduce_anchor(node: fx.Node) -> IROp | None:
     if node.op != "call_function" or node.target is not ALL_REDUCE:
@@ -144,9 +143,9 @@ def custom_anchor(node: fx.Node, custom: frozenset) -> IROp | None:
     return IROp(schema.name, tensors, outputs, attrs, frozenset([node, *node.users]))
 
 
-# ---- matching ops ---------------------------------------------------------------------------------
+# ---- matching ops --------------------------------------------------------------------------------
 
-class _Graph:
+class GraphIndex:
     """Positions and dependence queries over a graph that is not changing."""
 
     def __init__(self, graph: fx.Graph, custom: frozenset):
@@ -192,15 +191,16 @@ def _ir_op(match: patterns.Match, first: fx.Node | None) -> IROp | None:
     return IROp(match.form.op_type, inputs, [match.root], dict(match.attrs), match.nodes)
 
 
-def _best(matches: list) -> patterns.Match | None:
-    """The earliest match not strictly contained in another one (gelu over its own x * 0.5)."""
-    for m in matches:
-        if not any(m.nodes < other.nodes for other in matches):
-            return m
+def _best(found: list) -> tuple | None:
+    """The earliest (match, op) whose match no other one strictly contains (gelu, not the
+    x * 0.5 inside it)."""
+    for match, op in found:
+        if not any(match.nodes < other.nodes for other, _ in found):
+            return match, op
     return None
 
 
-def _prologue(g: _Graph, anchor: IROp, region: frozenset, depth: int) -> list:
+def _prologue(anchor: IROp, region: frozenset, depth: int) -> list:
     chain: list = []
     consumer_nodes = anchor.nodes
     value = anchor.inputs[0]
@@ -242,7 +242,9 @@ def _candidates(live: set, region: frozenset, reach: int) -> set:
     return found
 
 
-def _epilogue_match(g: _Graph, match, live: set, region: frozenset):
+def _epilogue_op(g: GraphIndex, match, live: set, region: frozenset) -> IROp | None:
+    """The IR op for an epilogue match: it reads a live value where the op allows one, and its
+    other inputs exist without the site."""
     if match.nodes & region:
         return None
     chain_inputs = match.form.chain_inputs
@@ -254,32 +256,28 @@ def _epilogue_match(g: _Graph, match, live: set, region: frozenset):
                 return None
         elif not _is_tensor(node) or g.depends_on(node, region):
             return None
-    return match
+    return _ir_op(match, next(n for n in match.inputs if n in live))
 
 
-def _epilogue(g: _Graph, site: Site, depth: int) -> None:
+def _epilogue(g: GraphIndex, site: Site, depth: int) -> None:
     live = {n for a in site.anchors for n in a.outputs if n is not None}
     region = site.nodes
-    keys = {_key(n) for n in live}
+    keys = {_key(n) for n in live if _is_tensor(n)}
     reach = max((t.size for k in keys for t in patterns.templates(*k)), default=1)
     while True:
-        at_cap = len(site.epilogue) >= depth
-        matches = []
+        found = []
         for node in sorted(_candidates(live, region, reach), key=g.order.get):
-            for key in keys:
-                for template in patterns.templates(*key):
-                    match = patterns.match_at(template, node)
-                    if match is not None and _epilogue_match(g, match, live, region):
-                        matches.append(match)
-        if at_cap:  # past the cap only an rms_norm folding into the last add is taken
-            matches = [m for m in matches if _folds_into(site.epilogue, m)]
-        match = _best(matches)
-        if match is None:
+            for template in (t for key in keys for t in patterns.templates(*key)):
+                match = patterns.match_at(template, node)
+                op = _epilogue_op(g, match, live, region) if match is not None else None
+                if op is not None:
+                    found.append((match, op))
+        if len(site.epilogue) >= depth:  # at the cap only an rms_norm folding into an add
+            found = [(m, op) for m, op in found if _folds_into(site.epilogue, m)]
+        best = _best(found)
+        if best is None:
             return
-        first = next((n for n in match.inputs if n in live), None)
-        op = _ir_op(match, first)
-        if op is None:
-            return
+        match, op = best
         if _folds_into(site.epilogue, match):
             add = site.epilogue.pop()
             op = IROp("add_rms_norm", [add.inputs[0], add.inputs[1], op.inputs[1]],
@@ -296,16 +294,16 @@ def _folds_into(epilogue: list, match) -> bool:
             and epilogue[-1].op_type == "add" and match.inputs[0] is epilogue[-1].outputs[0])
 
 
-# ---- coalescing and placement ---------------------------------------------------------------------
+# ---- coalescing and placement --------------------------------------------------------------------
 
-def _next_collective(g: _Graph, after: fx.Node):
+def _next_collective(g: GraphIndex, after: fx.Node):
     for node in g.nodes[g.order[after] + 1:]:
         if is_collective(node, g.custom):
             return node
     return None
 
 
-def _coalesce(g: _Graph, first: IROp) -> list:
+def _coalesce(g: GraphIndex, first: IROp) -> list:
     """`first` and the all_reduces right after it on the same group that can run with it: their
     inputs do not depend on the group so far, and nothing reads the group's results before."""
     group = [first]
@@ -324,12 +322,12 @@ def _coalesce(g: _Graph, first: IROp) -> list:
         group.append(candidate)
 
 
-def insertion_point(g: _Graph, site: Site) -> fx.Node:
+def insertion_point(g: GraphIndex, site: Site) -> fx.Node:
     compute = [n for op in site.ops for n in op.nodes - op.projections]
     return max(compute, key=g.order.get)
 
 
-def _fits(g: _Graph, site: Site) -> bool:
+def _fits(g: GraphIndex, site: Site) -> bool:
     nodes = site.nodes
     last = g.order[insertion_point(g, site)]
     for op in site.ops:
@@ -341,9 +339,8 @@ def _fits(g: _Graph, site: Site) -> bool:
                    for n in g.nodes[first + 1:last])
 
 
-def find_site(graph: fx.Graph, anchor: IROp, settings: Settings, custom: frozenset) -> Site:
+def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> Site:
     """The site around `anchor`, as large as the flags allow and the graph permits."""
-    g = _Graph(graph, custom)
     types = settings.custom_op_fusion_types
     depth = settings.max_fusion_depth
     is_all_reduce = anchor.op_type == "all_reduce"
@@ -351,7 +348,7 @@ def find_site(graph: fx.Graph, anchor: IROp, settings: Settings, custom: frozens
     region = frozenset(n for a in anchors for n in a.nodes)
     prologue_of = []
     for a in anchors:
-        chain = _prologue(g, a, region, depth) if is_all_reduce and "prologue" in types else []
+        chain = _prologue(a, region, depth) if is_all_reduce and "prologue" in types else []
         prologue_of.append(chain)
         region = region | frozenset(n for op in chain for n in op.nodes)
     site = Site(anchors, prologue_of)
@@ -366,32 +363,3 @@ def find_site(graph: fx.Graph, anchor: IROp, settings: Settings, custom: frozens
         else:
             raise AssertionError("infini_dist: a lone anchor must always fit")  # by construction
     return site
-
-
-# ---- to the IR ------------------------------------------------------------------------------------
-
-def to_subgraph(site: Site) -> tuple[SubGraph, list, list]:
-    """The site as a SubGraph with canonical names, its graph inputs and its read outputs."""
-    names: dict = {}
-    inputs: list = []
-    nodes = []
-    count = 0
-    for op in site.ops:
-        reads = []
-        for value in op.inputs:
-            if value not in names:
-                names[value] = f"in{len(inputs)}"
-                inputs.append(value)
-            reads.append(names[value])
-        writes = []
-        for out in op.outputs:
-            writes.append(f"v{count}")
-            if out is not None:
-                names[out] = f"v{count}"
-            count += 1
-        nodes.append(OpNode(op.op_type, tuple(reads), tuple(writes), op.attrs))
-    region = site.nodes
-    outputs = [out for op in site.ops for out in op.outputs
-               if out is not None and any(u not in region for u in out.users)]
-    sub = SubGraph(tuple(nodes), tuple(names[n] for n in inputs), tuple(names[n] for n in outputs))
-    return sub, inputs, outputs

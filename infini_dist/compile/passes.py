@@ -30,6 +30,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import infini_dist
 from infini_dist.compile import matching, runtime_op
 from infini_dist.config import Settings
+from infini_dist.scheduler.ir import OpNode, SubGraph
 
 log = logging.getLogger("infini_dist")
 
@@ -53,8 +54,35 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
-def _replace(graph: fx.Graph, site: matching.Site, g) -> str:
-    sub, inputs, outputs = matching.to_subgraph(site)
+def to_subgraph(site: matching.Site) -> tuple[SubGraph, list, list]:
+    """The site as a SubGraph with canonical names, its graph inputs and its read outputs."""
+    names: dict = {}
+    inputs: list = []
+    nodes = []
+    count = 0
+    for op in site.ops:
+        reads = []
+        for value in op.inputs:
+            if value not in names:
+                names[value] = f"in{len(inputs)}"
+                inputs.append(value)
+            reads.append(names[value])
+        writes = []
+        for out in op.outputs:
+            writes.append(f"v{count}")
+            if out is not None:
+                names[out] = f"v{count}"
+            count += 1
+        nodes.append(OpNode(op.op_type, tuple(reads), tuple(writes), op.attrs))
+    region = site.nodes
+    outputs = [out for op in site.ops for out in op.outputs
+               if out is not None and any(u not in region for u in out.users)]
+    sub = SubGraph(tuple(nodes), tuple(names[n] for n in inputs), tuple(names[n] for n in outputs))
+    return sub, inputs, outputs
+
+
+def _replace(graph: fx.Graph, site: matching.Site, g: matching.GraphIndex) -> str:
+    sub, inputs, outputs = to_subgraph(site)
     text = sub.canonical()
     region = site.nodes
     anchor = next(iter(site.anchors[0].nodes - site.anchors[0].projections))
@@ -107,9 +135,8 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
                 skipped.add(node)  # not a sum, or its result is used without a wait
         if found is None:
             break
-        site = matching.find_site(graph, found, settings, custom)
-        g = matching._Graph(graph, custom)
-        replaced.append(_replace(graph, site, g))
+        index = matching.GraphIndex(graph, custom)
+        replaced.append(_replace(graph, matching.find_site(index, found, settings), index))
     if replaced:
         graph.lint()
         stats["sites"] += len(replaced)

@@ -15,6 +15,7 @@ both operand orders of add and mul.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,6 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 aten = torch.ops.aten
+log = logging.getLogger("infini_dist")
 
 # Sentinels: exact in fp32 (a traced eps is often rounded to fp32) and unlike any constant of a
 # decomposition, so a template position holding one is an attribute slot.
@@ -121,7 +123,8 @@ def _trace(form: Form, dtype, ndim: int, device) -> Template | None:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = output.args[0]
     root = results[0] if isinstance(results, (tuple, list)) else results
-    if not isinstance(root, fx.Node) or root.op != "call_function" or len(placeholders) != form.arity:
+    if (not isinstance(root, fx.Node) or root.op != "call_function"
+            or len(placeholders) != form.arity):
         return None  # e.g. relu of an int tensor: nothing to match
     size = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     return Template(form, placeholders, root, size)
@@ -130,12 +133,23 @@ def _trace(form: Form, dtype, ndim: int, device) -> Template | None:
 @functools.lru_cache(maxsize=None)
 def templates(dtype: torch.dtype, ndim: int, device_type: str) -> tuple[Template, ...]:
     """Every form traced for a site value of this dtype and rank, largest first."""
+    if not dtype.is_floating_point or ndim < 1:
+        return ()  # the IR's elementwise ops and norms are for floating-point values
     device = torch.device(device_type)
-    traced = [t for t in (_trace(f, dtype, ndim, device) for f in FORMS) if t is not None]
+    traced = []
+    for form in FORMS:
+        try:
+            template = _trace(form, dtype, ndim, device)
+        except Exception as error:  # noqa: BLE001 - a form this torch cannot trace is not matched
+            log.debug("infini_dist: cannot trace %s for %s/%dd/%s: %s", form.name, dtype, ndim,
+                      device_type, error)
+            continue
+        if template is not None:
+            traced.append(template)
     return tuple(sorted(traced, key=lambda t: -t.size))
 
 
-# ---- matching -------------------------------------------------------------------------------------
+# ---- matching ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Match:
@@ -189,7 +203,8 @@ def _match_node(pattern: fx.Node, value: Any, state: dict, captures: dict) -> di
         return {**state, pattern: value}
     if value.op != "call_function" or value.target != pattern.target:
         return None
-    if any(v is value for k, v in state.items() if isinstance(k, fx.Node) and k.op != "placeholder"):
+    if any(v is value for k, v in state.items()
+           if isinstance(k, fx.Node) and k.op != "placeholder"):
         return None  # two pattern nodes cannot share one graph node
     state = {**state, pattern: value}
     orders = [pattern.args]

@@ -25,7 +25,7 @@ from infini_dist.scheduler.ir import OpNode, SubGraph
 OP_NAME = "infini_dist::fused_site"
 
 
-# ---- the SubGraph <-> text round trip -------------------------------------------------------------
+# ---- the SubGraph <-> text round trip ------------------------------------------------------------
 
 def _attr_value(value: Any) -> Any:
     # Inverse of ir._canonical_value: floats travel as {"float": repr}, tuples as lists.
@@ -56,9 +56,20 @@ def subgraph_from_json(text: str) -> SubGraph:
     return graph
 
 
-# ---- the op ---------------------------------------------------------------------------------------
+# ---- the op --------------------------------------------------------------------------------------
 
 _USED: dict[str, SubGraph] = {}
+_EXECUTORS: dict = {}  # (graph text, settings) -> executor: text hashes are cached, graphs' not
+
+
+def _executor(text: str):
+    settings = infini_dist.config.snapshot()
+    executor = _EXECUTORS.get((text, settings))
+    if executor is None:
+        sub = subgraph_from_json(text)
+        executor = _EXECUTORS[(text, settings)] = executor_for(sub, settings)
+        _USED.setdefault(text, sub)
+    return executor
 
 
 def _unaliased(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -82,14 +93,13 @@ def _unaliased(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def fused_site(inputs: list[torch.Tensor], graph: str) -> list[torch.Tensor]:
-    sub = subgraph_from_json(graph)
-    if len(inputs) != len(sub.input_names):
-        raise ValueError(f"infini_dist.fused_site: the site reads {len(sub.input_names)} tensors, "
+    executor = _executor(graph)
+    names = executor.graph.input_names
+    if len(inputs) != len(names):
+        raise ValueError(f"infini_dist.fused_site: the site reads {len(names)} tensors, "
                          f"got {len(inputs)}")
-    _USED.setdefault(graph, sub)
-    executor = executor_for(sub, infini_dist.config.snapshot())
-    values = executor.run(dict(zip(sub.input_names, inputs)), None)
-    return _unaliased([values[name] for name in sub.output_names], list(inputs))
+    values = executor.run(dict(zip(names, inputs)), None)
+    return _unaliased([values[name] for name in executor.graph.output_names], list(inputs))
 
 
 def _custom_op_call(name: str, tensors: list, attrs: dict):
@@ -129,9 +139,9 @@ def decisions() -> list[dict]:
     """What each compiled site decided so far (candidates, times, committed choice)."""
     rows = []
     for text, sub in _USED.items():
-        executor = executor_for(sub, infini_dist.config.snapshot())
-        for runner in executor.site_runners():
+        for runner in _executor(text).site_runners():
             decision = getattr(runner, "last_decision", None)
             if decision is not None:
-                rows.append(dict(decision, op="+".join(n.op_type for n in sub.nodes), subgraph=text))
+                ops = "+".join(n.op_type for n in sub.nodes)
+                rows.append(dict(decision, op=ops, subgraph=text))
     return rows

@@ -1,0 +1,325 @@
+"""Latency sweep of all_reduce + epilogue: our engine and its candidates against the peers.
+
+    torchrun --nproc-per-node=4 -m infini_dist.launch.bench --out bench_out \\
+        [--tokens 1,16,128,1024,8192] [--hidden 4096] [--patterns add_rms_norm,relu_scale,swiglu]
+
+Per pattern and token count, every implementation is timed under CUDA-graph replay and eagerly,
+in this one run, max over ranks (a collective is as slow as its slowest rank):
+  nccl_ar           NCCL all_reduce alone, in place (the floor; its values grow, which NCCL
+                    does not care about)
+  nccl+eager        NCCL all_reduce of a copy + the epilogue in eager torch
+  compile           torch.compile of funcol.all_reduce + the epilogue
+  symm_one_shot     torch.ops.symm_mem.one_shot_all_reduce_copy + eager epilogue
+  symm_two_shot     copy into a symmetric tensor + two_shot_all_reduce_ + eager epilogue
+  cand:<choice>     every choice the engine generates for the site (unfused baseline included)
+  engine            executor_for(graph).run(...): the engine's committed choice
+Writes a table on stdout, results.json and latency.png under --out. With --cpu-smoke it runs on
+gloo CPU ranks (no graphs, no symmetric memory) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import infini_dist
+from infini_dist.scheduler.choices import RunContext, TensorMeta, generate_choices, run_nodes
+from infini_dist.scheduler.engine import executor_for
+from infini_dist.scheduler.ir import OpNode, SubGraph
+
+EPS = 1e-6
+SCALE = 0.5
+
+
+def pattern_graph(pattern: str) -> SubGraph:
+    ar = OpNode("all_reduce", ("x",), ("y",))
+    if pattern == "add_rms_norm":
+        return SubGraph((ar, OpNode("add_rms_norm", ("y", "residual", "weight"), ("out", "h"),
+                                    {"eps": EPS})), ("x", "residual", "weight"), ("out", "h"))
+    if pattern == "relu_scale":
+        return SubGraph((ar, OpNode("relu", ("y",), ("a",)),
+                         OpNode("scale", ("a",), ("out",), {"scale": SCALE})), ("x",), ("out",))
+    if pattern == "swiglu":
+        return SubGraph((ar, OpNode("swiglu", ("y", "up"), ("out",))), ("x", "up"), ("out",))
+    raise ValueError(f"unknown pattern {pattern!r}")
+
+
+def eager_epilogue(pattern: str, y, inputs):
+    """What a user writes after the all_reduce, in eager torch."""
+    if pattern == "add_rms_norm":
+        h = y + inputs["residual"]
+        return F.rms_norm(h, (h.shape[-1],), inputs["weight"], EPS), h
+    if pattern == "relu_scale":
+        return torch.relu(y) * SCALE
+    return F.silu(y) * inputs["up"]
+
+
+def make_inputs(pattern, tokens, hidden, dtype, device, rank):
+    g = torch.Generator().manual_seed(1234 + rank)
+    shared = torch.Generator().manual_seed(99)  # side tensors are replicated, as under TP
+    values = {"x": torch.randn(tokens, hidden, generator=g)}
+    graph = pattern_graph(pattern)
+    for name in graph.input_names[1:]:
+        size = (hidden,) if name == "weight" else (tokens, hidden)
+        values[name] = torch.randn(size, generator=shared) + (1.0 if name == "weight" else 0.0)
+    return {n: v.to(device=device, dtype=dtype) for n, v in values.items()}
+
+
+class Timer:
+    def __init__(self, device, trials, replays):
+        self.device, self.trials, self.replays = device, trials, replays
+        self.cuda = device.type == "cuda"
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        dist.barrier()
+
+    def _measure(self, body, reset) -> float:
+        samples = []
+        for _ in range(self.trials):
+            reset()
+            self._sync()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                for _ in range(self.replays):
+                    body()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3 / self.replays)
+            else:
+                begin = time.perf_counter()
+                for _ in range(self.replays):
+                    body()
+                samples.append((time.perf_counter() - begin) / self.replays)
+        mine = torch.tensor([statistics.median(samples)], dtype=torch.float64,
+                            device=self.device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return float(mine.item())
+
+    def eager(self, fn, reset=lambda: None) -> float:
+        fn()
+        fn()
+        return self._measure(fn, reset)
+
+    def graph(self, fn, reset=lambda: None) -> float | None:
+        if not self.cuda:
+            return None
+        fn()  # eager first: lazy setup (rendezvous, compilation) never runs under capture
+        self._sync()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            fn()
+        try:
+            return self._measure(cuda_graph.replay, reset)
+        finally:
+            del cuda_graph
+
+
+def peers(pattern, inputs, group, cuda, compile_peer):
+    """name -> callable running one all_reduce + epilogue of this pattern (with a reset)."""
+    x = inputs["x"]
+    impls = {}
+    floor = x.clone()
+    impls["nccl_ar"] = (lambda: dist.all_reduce(floor, group=group), lambda: floor.copy_(x))
+
+    def nccl_eager():
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return eager_epilogue(pattern, y, inputs)
+    impls["nccl+eager"] = (nccl_eager, lambda: None)
+    if not cuda:
+        return impls
+    group_name = (group or dist.group.WORLD).group_name
+    if compile_peer:
+        import torch.distributed._functional_collectives as funcol
+
+        def traced(x, sides):
+            return eager_epilogue(pattern, funcol.all_reduce(x, "sum", group_name), sides)
+        compiled_fn = torch.compile(traced, dynamic=False)
+        sides = {k: v for k, v in inputs.items() if k != "x"}
+        impls["compile"] = (lambda: compiled_fn(x, sides), lambda: None)
+    import torch.distributed._symmetric_memory as symm_mem
+    symm = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
+    symm_mem.rendezvous(symm, group_name)
+    if hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        def one_shot():
+            y = torch.ops.symm_mem.one_shot_all_reduce_copy(symm, x, "sum", group_name)
+            return eager_epilogue(pattern, y, inputs)
+        impls["symm_one_shot"] = (one_shot, lambda: None)
+
+    def two_shot():
+        symm.copy_(x)
+        torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name)
+        return eager_epilogue(pattern, symm, inputs)
+    impls["symm_two_shot"] = (two_shot, lambda: None)
+    return impls
+
+
+def engine_candidates(graph, inputs, group, device):
+    """The engine's choices for the site of `graph`, precompiled, by name."""
+    executor = executor_for(graph)
+    runner = executor.site_runners()[0]
+    settings = infini_dist.config.snapshot()
+    ctx = RunContext(group, dist.get_world_size(group), dist.get_rank(group), device)
+    env = dict(inputs)
+    run_nodes(graph, runner.site.region, env, ctx)
+    meta = {n: TensorMeta.of(v) for n, v in env.items() if isinstance(v, torch.Tensor)}
+    choices = generate_choices(graph, runner.site, meta, ctx,
+                               fusion_types=settings.custom_op_fusion_types,
+                               max_depth=settings.max_fusion_depth,
+                               recursive=settings.enable_recursive_fusion,
+                               enable_fusion=settings.enable_custom_op_fusion)
+    out = {}
+    for choice in choices:
+        try:
+            choice.precompile(meta, ctx)
+            out[f"cand:{choice.name}"] = (lambda c=choice: c.run(inputs), lambda: None)
+        except Exception as error:  # noqa: BLE001 - report and go on; the engine drops it too
+            if dist.get_rank() == 0:
+                print(f"  candidate {choice.name} failed to compile: {error}", flush=True)
+    return executor, out
+
+
+def run_case(args, pattern, tokens, device, group, timer):
+    dtype = getattr(torch, args.dtype)
+    inputs = make_inputs(pattern, tokens, args.hidden, dtype, device, dist.get_rank())
+    graph = pattern_graph(pattern)
+    impls = peers(pattern, inputs, group, device.type == "cuda", args.compile_peer)
+    executor, candidates = engine_candidates(graph, inputs, group, device)
+    # The engine decides on its first (eager) call, in lockstep on all ranks.
+    reference = executor.run(inputs, group)
+    record = getattr(executor.site_runners()[0], "last_tuning", None) or {}
+    impls.update(candidates)
+    impls["engine"] = (lambda: executor.run(inputs, group), lambda: None)
+    expected = impls["nccl+eager"][0]()
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    error = float((reference["out"].float() - expected.float()).abs().max())
+    rows = []
+    for name, (fn, reset) in impls.items():
+        row = {"pattern": pattern, "tokens": tokens, "impl": name}
+        for mode in ("graph", "eager"):
+            if mode == "eager" and args.no_eager:
+                continue
+            try:
+                seconds = timer.graph(fn, reset) if mode == "graph" else timer.eager(fn, reset)
+                row[f"{mode}_us"] = None if seconds is None else seconds * 1e6
+            except Exception as err:  # noqa: BLE001 - one failing peer must not stop the sweep
+                row[f"{mode}_error"] = f"{type(err).__name__}: {err}"[:300]
+                torch.cuda.synchronize() if device.type == "cuda" else None
+        rows.append(row)
+    return rows, {"committed": record.get("choice"), "engine_vs_nccl_max_abs": error,
+                  "tuning_times_us": {k: v * 1e6 for k, v in record.get("times_s", {}).items()}}
+
+
+def print_table(rows, patterns, tokens, mode):
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    for pattern in patterns:
+        print(f"\n{pattern} ({mode}, us, max over ranks)")
+        print(f"{'impl':34s}" + "".join(f"{t:>10d}" for t in tokens))
+        for impl in impls:
+            cells = []
+            for t in tokens:
+                row = next((r for r in rows if r["pattern"] == pattern and r["tokens"] == t
+                            and r["impl"] == impl), None)
+                value = row.get(f"{mode}_us") if row else None
+                cells.append(f"{value:10.1f}" if value is not None else f"{'-':>10s}")
+            if any(c.strip() != "-" for c in cells):
+                print(f"{impl:34s}" + "".join(cells))
+
+
+def plot(rows, patterns, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return False
+    fig, axes = plt.subplots(1, len(patterns), figsize=(6 * len(patterns), 5), squeeze=False)
+    for ax, pattern in zip(axes[0], patterns):
+        for impl in dict.fromkeys(r["impl"] for r in rows if r["pattern"] == pattern):
+            points = [(r["tokens"], r["graph_us"]) for r in rows if r["pattern"] == pattern
+                      and r["impl"] == impl and r.get("graph_us") is not None]
+            if points:
+                style = "-" if impl in ("engine", "nccl_ar", "nccl+eager") else "--"
+                ax.plot(*zip(*points), style, marker="o", label=impl, linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"all_reduce + {pattern} (graph replay)")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("us per call")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="1,16,128,1024,8192")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--patterns", default="add_rms_norm,relu_scale,swiglu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--no-eager", action="store_true")
+    parser.add_argument("--no-compile-peer", dest="compile_peer", action="store_false")
+    parser.add_argument("--cpu-smoke", action="store_true", help="gloo CPU ranks, float32")
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    patterns = args.patterns.split(",")
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+        args.dtype = "float32"
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    timer = Timer(device, args.trials, args.replays)
+    rows, cases = [], {}
+    for pattern in patterns:
+        for t in tokens:
+            case_rows, info = run_case(args, pattern, t, device, None, timer)
+            rows += case_rows
+            cases[f"{pattern}/{t}"] = info
+            if dist.get_rank() == 0:
+                print(f"{pattern} tokens={t}: committed {info['committed']}, |engine - nccl| "
+                      f"max {info['engine_vs_nccl_max_abs']:.3g}", flush=True)
+    if dist.get_rank() == 0:
+        for mode in ("graph", "eager"):
+            print_table(rows, patterns, tokens, mode)
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"world_size": dist.get_world_size(), "hidden": args.hidden, "dtype": args.dtype,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "cases": cases}
+        try:
+            import triton
+            meta["triton"] = triton.__version__
+        except ImportError:
+            pass
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        plotted = plot(rows, patterns, os.path.join(args.out, "latency.png"))
+        print(f"\nwrote {args.out}/results.json" + (" and latency.png" if plotted else ""))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""GPU checks of the symmetric-memory kernels, one process per GPU:
+
+    timeout 300 torchrun --nproc-per-node=2 tests/gpu_symm_worker.py [--quick]
+
+Per kernel, pattern, shape and dtype: compile (scratch warm-up), three eager calls with fresh
+inputs against the unfused reference, bitwise equality across ranks; then CUDA-graph capture and
+replays with new inputs, back-to-back launches of different grids on one buffer, and the engine
+end to end. Prints 'ALL OK' last when everything passed; exits non-zero otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("INFINI_DIST_SYMM_TIMEOUT_S", "60")  # a lost peer traps, never hangs
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from symm_cases import (PATTERNS, build, digest, full_span, make_inputs, max_error,  # noqa: E402
+                        meta_of, reference)
+
+from infini_dist.kernels import symm_buffers  # noqa: E402
+from infini_dist.kernels.symm_algorithms import (OneShotAllReduce, TwoShotAllReduce,  # noqa: E402
+                                                 plan_span)
+from infini_dist.scheduler.choices import RunContext  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 4e-3}
+failures = []
+
+
+def check(condition, message):
+    if not condition:
+        failures.append(message)
+        print(f"[rank {dist.get_rank()}] FAIL {message}", flush=True)
+
+
+def same_everywhere(value) -> bool:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return len(set(values)) == 1
+
+
+def compiled(algorithm, pattern, shape, dtype, ctx):
+    graph = build(pattern)
+    span = full_span(graph)
+    meta = meta_of(graph, shape, dtype)
+    assert algorithm.supports(span, meta, ctx), (algorithm.name, pattern, shape)
+    return graph, algorithm.compile(span, meta, ctx)
+
+
+def inputs_for(graph, shape, dtype, call, world_size, rank, device):
+    everyone = [make_inputs(graph, shape, dtype, r, call) for r in range(world_size)]
+    return everyone, {n: t.to(device) for n, t in everyone[rank].items()}
+
+
+def check_eager(algorithm, pattern, shape, dtype, ctx):
+    graph, run = compiled(algorithm, pattern, shape, dtype, ctx)
+    for call in range(3):
+        everyone, local = inputs_for(graph, shape, dtype, call, ctx.world_size, ctx.rank,
+                                     ctx.device)
+        got = run(local)
+        error = max_error(got, reference(graph, everyone, ctx.rank))
+        name = f"{algorithm.name} {pattern} {shape} {dtype} call {call}"
+        check(error <= TOLERANCE[dtype], f"{name}: error {error:.3g}")
+        check(same_everywhere(digest(got)), f"{name}: ranks differ")
+
+
+def check_graph_replay(algorithm, pattern, shape, dtype, ctx, replays=20):
+    graph, run = compiled(algorithm, pattern, shape, dtype, ctx)
+    _, static = inputs_for(graph, shape, dtype, 0, ctx.world_size, ctx.rank, ctx.device)
+    run(static)  # eager first: the rendezvous happens here, never under capture
+    torch.cuda.synchronize()
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        out = run(static)
+    for call in range(1, 4):
+        everyone, local = inputs_for(graph, shape, dtype, call, ctx.world_size, ctx.rank,
+                                     ctx.device)
+        for name, t in local.items():
+            static[name].copy_(t)
+        for _ in range(replays if call == 1 else 1):  # many replays: halves and flags cycle
+            cuda_graph.replay()
+        error = max_error(out, reference(graph, everyone, ctx.rank))
+        name = f"graph {algorithm.name} {pattern} {shape} {dtype} replay {call}"
+        check(error <= TOLERANCE[dtype], f"{name}: error {error:.3g}")
+        check(same_everywhere(digest(out)), f"{name}: ranks differ")
+
+
+def check_mixed_grids(algorithm, ctx, dtype=torch.bfloat16):
+    """Launches of different grids back to back on one buffer, no host sync in between."""
+    shapes = [(1, 4096), (300, 4096), (3, 4096), (129, 4096), (2, 4096)]
+    runs = [compiled(algorithm, "add_rms_norm", s, dtype, ctx) for s in shapes]
+    pending = []
+    for shape, (graph, run) in zip(shapes, runs):
+        everyone, local = inputs_for(graph, shape, dtype, 7, ctx.world_size, ctx.rank,
+                                     ctx.device)
+        pending.append((shape, graph, everyone, run(local)))
+    for shape, graph, everyone, got in pending:
+        error = max_error(got, reference(graph, everyone, ctx.rank))
+        check(error <= TOLERANCE[dtype], f"mixed {algorithm.name} {shape}: error {error:.3g}")
+
+
+def check_engine(ctx, dtype=torch.bfloat16):
+    from infini_dist.scheduler.engine import executor_for
+    for pattern, shape in (("add_rms_norm", (16, 4096)), ("relu_scale", (1, 4096))):
+        graph = build(pattern)
+        everyone, local = inputs_for(graph, shape, dtype, 3, ctx.world_size, ctx.rank,
+                                     ctx.device)
+        executor = executor_for(graph)
+        got = executor.run(local)
+        record = executor.site_runners()[0].last_tuning
+        if ctx.rank == 0:
+            times = ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(
+                record["times_s"].items(), key=lambda kv: kv[1]))
+            print(f"engine {pattern} {shape}: committed {record['choice']} ({times})", flush=True)
+        check(any(c.startswith(("one_shot", "two_shot")) for c in record["candidates"]),
+              f"engine {pattern}: no symm candidate survived: {record['candidates']}")
+        error = max_error(got, reference(graph, everyone, ctx.rank))
+        check(error <= TOLERANCE[dtype], f"engine {pattern}: error {error:.3g}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = parser.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    ctx = RunContext(None, dist.get_world_size(), dist.get_rank(), torch.device("cuda", rank))
+    algorithms = (OneShotAllReduce(), TwoShotAllReduce())
+    shapes = [(1, 4096), (7, 4096), (3, 4095)] if args.quick else \
+        [(1, 4096), (7, 4096), (128, 4096), (3, 4095), (5, 200), (1000, 1024)]
+    for algorithm in algorithms:
+        for pattern in PATTERNS:
+            for shape in shapes:
+                check_eager(algorithm, pattern, shape, torch.bfloat16, ctx)
+        for dtype in (torch.float32, torch.float16):
+            check_eager(algorithm, "prologue_norm", (9, 512), dtype, ctx)
+            check_eager(algorithm, "plain", (1, 333), dtype, ctx)
+        check_eager(algorithm, "add_rms_norm", (200, 4096), torch.bfloat16, ctx)  # > programs
+        for pattern in ("add_rms_norm", "swiglu", "prologue_gelu"):
+            check_graph_replay(algorithm, pattern, (16, 4096), torch.bfloat16, ctx)
+        check_mixed_grids(algorithm, ctx)
+    check_eager(TwoShotAllReduce(), "add_rms_norm", (8192, 4096), torch.bfloat16, ctx)
+    check_engine(ctx)
+    if rank == 0:
+        print("buffers:", symm_buffers.cached_buffers(), flush=True)
+    ok = same_everywhere(not failures) and not failures
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print("ALL OK" if ok else f"FAILED ({len(failures)} on rank 0)", flush=True)
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
