@@ -73,6 +73,7 @@ FLAGS = {
     "max_autotune_threads": (4, _positive_int),
     "benchmark_warmup": (3, _nonneg_int),
     "benchmark_reps": (10, _positive_int),
+    "benchmark_cuda_graphs": (True, _bool),
     "tuning_timeout_s": (300.0, _positive_float),
     "cache_dir": ("~/.cache/infini_dist", _path),
     "enable_disk_cache": (True, _bool),
@@ -114,6 +115,7 @@ class Settings:
     max_autotune_threads: int
     benchmark_warmup: int
     benchmark_reps: int
+    benchmark_cuda_graphs: bool
     tuning_timeout_s: float
     cache_dir: str
     enable_disk_cache: bool

@@ -23,7 +23,7 @@ import torch
 from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce, one_shot_bytes
 from infini_dist.kernels.symm_chain import (ADD_RMS_NORM, MAX_CHAIN, MAX_ROW, NO_NORM, RMS_NORM,
-                                            ChainOp, encode_node)
+                                            encode_node)
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce, two_shot_bytes
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.choices import Algorithm
@@ -127,7 +127,8 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
             pre, out = current, norm_node.outputs[0]
         elif (norm_node.op_type == "add_rms_norm" and norm_node.inputs[:2].count(current) == 1
               and current in norm_node.inputs[:2]):
-            residual = norm_node.inputs[1] if norm_node.inputs[0] == current else norm_node.inputs[0]
+            a, b = norm_node.inputs[:2]
+            residual = b if a == current else a
             if residual not in external or not _same(meta, residual, x):
                 return None
             norm, weight = ADD_RMS_NORM.value, norm_node.inputs[2]
@@ -184,7 +185,8 @@ class _SymmAllReduce(Algorithm):
         data_bytes = self.data_bytes(plan, ctx.world_size)
         with torch.cuda.device(ctx.device):
             # Warm-up: compile and run once on private scratch with pre-satisfied barriers.
-            names = (plan.source,) + plan.sides + tuple(n for n in (plan.weight, plan.residual) if n)
+            names = (plan.source,) + plan.sides + tuple(
+                n for n in (plan.weight, plan.residual) if n)
             scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
                        for n in names}
             buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)

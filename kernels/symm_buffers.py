@@ -135,6 +135,6 @@ def local_scratch(world_size: int, rank: int, data_bytes: int, device) -> SymmBu
     traffic (the compile step's warm-up). Its data come out meaningless."""
     header = header_bytes(world_size)
     storage = torch.zeros(header + data_bytes, dtype=torch.uint8, device=device)
-    storage[:MAX_PROGRAMS * world_size * 4].view(torch.int32).fill_(4)
+    storage[:MAX_PROGRAMS * world_size * 4].view(torch.int32).fill_(1 << 30)  # any barrier count
     bases = [storage.data_ptr()] * world_size
     return _from_addresses(storage, bases, rank, world_size, data_bytes)

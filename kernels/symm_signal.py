@@ -62,6 +62,9 @@ def block_barrier(signal_table, rank, slot, timeout_ns, WORLD_SIZE: tl.constexpr
             if _globaltimer(rank) - started > timeout_ns:
                 _trap(rank)
         arrived = tl.load(mine, mask=valid, other=1, volatile=True)
+    # Each warp spins on its own copy of the flags; none may still be spinning when they are
+    # decremented, or it could read the decremented zero and spin forever.
+    tl.debug_barrier()
     # The acquiring decrement reads the releasing increment: peers' writes are now visible.
     tl.atomic_add(mine, -1, mask=valid, sem="acquire", scope="sys")
     tl.debug_barrier()

@@ -10,15 +10,19 @@ sub-shards; rank q owns sub-shard q of every item. Phase 1: each rank pushes sub
 staging slots in rank order 0..W-1 in fp32 (the same order on every rank, hence identical bits),
 rounds to the dtype like the all_reduce output, and pushes the result into every rank's gathered
 copy. Barrier. Phase 3: each rank runs the epilogue over whole items of its gathered copy, so a
-row norm sees the whole row in one program. Remote traffic is stores only.
+row norm sees the whole row in one program. Remote traffic is stores only. Large tensors go in
+rounds, phase 3 of one round running alongside phase 2 of the next.
 
-No exit barrier is needed: a rank writes a peer's staging only in a later launch, after the
-second barrier of this one (so the peer has read its staging), and writes a peer's gathered copy
-only after the first barrier of a launch, which the peer reaches only once it has finished the
+No exit barrier is needed: every item has its own staging and gathered places, so within a launch
+nothing is written twice; a rank writes a peer's staging only in a later launch, after the last
+barrier of this one (so the peer has read its staging), and writes a peer's gathered copy only
+after a barrier of that later launch, which the peer reaches only once it has finished the
 previous launch, phase 3 included.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -28,11 +32,66 @@ from infini_dist.kernels.symm_signal import (SPIN_TIMEOUT_NS, block_barrier, pee
                                              world_size_pow2)
 
 
-@triton.jit(do_not_specialize=["rank", "timeout_ns"])
+@triton.jit
+def _scatter(x_ptr, staging_of, tile, tile_ok, first, last, programs, numel,
+             P_OP0: tl.constexpr, p_scalar0, p_side0, P_OP1: tl.constexpr, p_scalar1, p_side1,
+             P_OP2: tl.constexpr, p_scalar2, p_side2,
+             ITEM: tl.constexpr, SUB: tl.constexpr, SUB_BLOCK: tl.constexpr):
+    """Phase 1 for items first, first + programs, ... < last: a whole item moves as a
+    [owner, sub-shard] tile (all its loads in flight together), row q straight to owner q."""
+    dtype = x_ptr.dtype.element_ty
+    sub = tl.arange(0, SUB_BLOCK)
+    for item in range(first, last, programs):
+        index = item * ITEM + tile
+        mask = tile_ok & (index < numel)
+        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+        x = apply_chain(x, index, mask, P_OP0, p_scalar0, p_side0, P_OP1, p_scalar1, p_side1,
+                        P_OP2, p_scalar2, p_side2, dtype)
+        tl.store(staging_of[:, None] + (item * SUB + sub)[None, :], x.to(dtype), mask=mask)
+
+
+@triton.jit
+def _reduce(data_table, local, stage_stride, gathered, rank, first, last, programs, numel,
+            dtype: tl.constexpr, ITEM: tl.constexpr, SUB: tl.constexpr,
+            SUB_BLOCK: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """Phase 2: sum this rank's sub-shard over the staging slots in rank order, push it to
+    every rank's gathered copy."""
+    sub = tl.arange(0, SUB_BLOCK)
+    owned = rank * SUB + sub
+    for item in range(first, last, programs):
+        index = item * ITEM + owned
+        mask = (sub < SUB) & (owned < ITEM) & (index < numel)
+        total = tl.zeros([SUB_BLOCK], dtype=tl.float32)
+        for source in tl.static_range(WORLD_SIZE):
+            total += tl.load(local + source * stage_stride + item * SUB + sub, mask=mask,
+                             other=0.0).to(tl.float32)
+        reduced = total.to(dtype)
+        for step in tl.static_range(WORLD_SIZE):
+            peer = (rank + step) % WORLD_SIZE  # staggered, so peers are not all hit at once
+            tl.store(peer_pointer(data_table, peer, dtype) + gathered + index, reduced, mask=mask)
+
+
+@triton.jit
+def _finish(local, gathered, first, last, programs, numel, out_ptr, pre_ptr, weight_ptr,
+            residual_ptr, eps, E_OP0: tl.constexpr, e_scalar0, e_side0, E_OP1: tl.constexpr,
+            e_scalar1, e_side1, E_OP2: tl.constexpr, e_scalar2, e_side2, NORM: tl.constexpr,
+            WRITE_PRE: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr):
+    """Phase 3: the epilogue over whole items of the local gathered copy."""
+    column = tl.arange(0, BLOCK)
+    for item in range(first, last, programs):
+        index = item * ITEM + column
+        mask = (column < ITEM) & (index < numel)
+        y = tl.load(local + gathered + index, mask=mask, other=0.0).to(tl.float32)
+        finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,
+                    E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1, E_OP2, e_scalar2,
+                    e_side2, NORM, WRITE_PRE, ITEM)
+
+
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "round_items"])
 def two_shot_all_reduce_kernel(
         x_ptr, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,
         data_table, signal_table,
-        numel, rank, timeout_ns,
+        numel, rank, timeout_ns, round_items,
         p_scalar0, p_side0, p_scalar1, p_side1, p_scalar2, p_side2,
         e_scalar0, e_side0, e_scalar1, e_side1, e_scalar2, e_side2,
         P_OP0: tl.constexpr, P_OP1: tl.constexpr, P_OP2: tl.constexpr,
@@ -42,56 +101,44 @@ def two_shot_all_reduce_kernel(
         WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    first_item = pid.to(tl.int64)  # int64 loop: offsets of big tensors overflow int32
-    items = tl.cdiv(numel, ITEM)
+    first_item = pid.to(tl.int64)  # int64 loops: offsets of big tensors overflow int32
+    items = tl.cdiv(numel, ITEM).to(tl.int64)
     dtype = x_ptr.dtype.element_ty
     sub = tl.arange(0, SUB_BLOCK)
     # Data area: W staging slots of items * SUB elements, then the gathered copy (like x).
-    stage_stride = items.to(tl.int64) * SUB
+    stage_stride = items * SUB
     gathered = WORLD_SIZE * stage_stride
+    local = peer_pointer(data_table, rank, dtype)
 
-    # Phase 1 moves a whole item as a [owner, sub-shard] tile: all its loads are in flight
-    # together, and row q of the tile is stored straight into owner q's staging slot.
     owners = tl.arange(0, WS_P2)
     owner_ok = owners < WORLD_SIZE
     staging_of = tl.load(data_table + owners, mask=owner_ok, other=0)
     staging_of = tl.multiple_of(staging_of.to(tl.pointer_type(dtype)), 16) + rank * stage_stride
     tile = owners[:, None] * SUB + sub[None, :]
     tile_ok = owner_ok[:, None] & (sub < SUB)[None, :] & (tile < ITEM)
-    for item in range(first_item, items, programs):
-        index = item * ITEM + tile
-        mask = tile_ok & (index < numel)
-        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
-        x = apply_chain(x, index, mask, P_OP0, p_scalar0, p_side0, P_OP1, p_scalar1, p_side1,
-                        P_OP2, p_scalar2, p_side2, dtype)
-        tl.store(staging_of[:, None] + (item * SUB + sub)[None, :], x.to(dtype), mask=mask)
 
-    block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
-
-    local = peer_pointer(data_table, rank, dtype)
-    for item in range(first_item, items, programs):
-        owned = rank * SUB + sub
-        index = item * ITEM + owned
-        mask = (sub < SUB) & (owned < ITEM) & (index < numel)
-        total = tl.zeros([SUB_BLOCK], dtype=tl.float32)
-        for source in tl.static_range(WORLD_SIZE):
-            total += tl.load(local + source * stage_stride + item * SUB + sub, mask=mask,
-                             other=0.0).to(tl.float32)
-        reduced = total.to(dtype)
-        for step in tl.static_range(WORLD_SIZE):
-            peer = (rank + step) % WORLD_SIZE
-            tl.store(peer_pointer(data_table, peer, dtype) + gathered + index, reduced, mask=mask)
-
-    block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
-
-    column = tl.arange(0, BLOCK)
-    for item in range(first_item, items, programs):
-        index = item * ITEM + column
-        mask = (column < ITEM) & (index < numel)
-        y = tl.load(local + gathered + index, mask=mask, other=0.0).to(tl.float32)
-        finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,
-                    E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1, E_OP2, e_scalar2,
-                    e_side2, NORM, WRITE_PRE, ITEM)
+    # Items go in rounds of `round_items` per program. Phase 3 of a round runs after phase 2 of
+    # the next, so its local traffic overlaps that round's remote stores.
+    round_stride = programs * round_items
+    previous_first = first_item
+    previous_last = first_item  # no previous round yet
+    for first in range(first_item, items, round_stride):
+        last = tl.minimum(first + round_stride, items)
+        _scatter(x_ptr, staging_of, tile, tile_ok, first, last, programs, numel,
+                 P_OP0, p_scalar0, p_side0, P_OP1, p_scalar1, p_side1, P_OP2, p_scalar2,
+                 p_side2, ITEM, SUB, SUB_BLOCK)
+        block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
+        _reduce(data_table, local, stage_stride, gathered, rank, first, last, programs, numel,
+                dtype, ITEM, SUB, SUB_BLOCK, WORLD_SIZE)
+        _finish(local, gathered, previous_first, previous_last, programs, numel, out_ptr,
+                pre_ptr, weight_ptr, residual_ptr, eps, E_OP0, e_scalar0, e_side0, E_OP1,
+                e_scalar1, e_side1, E_OP2, e_scalar2, e_side2, NORM, WRITE_PRE, ITEM, BLOCK)
+        block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
+        previous_first = first
+        previous_last = last
+    _finish(local, gathered, previous_first, previous_last, programs, numel, out_ptr, pre_ptr,
+            weight_ptr, residual_ptr, eps, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
+            E_OP2, e_scalar2, e_side2, NORM, WRITE_PRE, ITEM, BLOCK)
 
 
 def two_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
@@ -102,14 +149,29 @@ def two_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
     return (world_size * items * layout.sub + triton.cdiv(numel, 64) * 64) * element_size
 
 
+def round_items(items: int, grid: int) -> int:
+    """Items per program per round: 16 once a program has 32 or more (overlapping phase 3 with
+    the next round's transfers took 392 -> 377 us at 8192 x 4096 bf16 on 4 H200s; see
+    docs/notes_symm.md), else one round. INFINI_DIST_SYMM_ROUND_ITEMS=n > 0 forces n; it must
+    be the same on every rank, like everything that shapes a launch."""
+    override = int(os.environ.get("INFINI_DIST_SYMM_ROUND_ITEMS", "0"))
+    per_program = triton.cdiv(items, grid)
+    if override > 0:
+        return override
+    return 16 if per_program >= 32 else max(1, per_program)
+
+
 def two_shot_all_reduce(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                        weight=None, residual=None, eps=1e-6, pre=None, row_len=None):
-    """Launch on `buffer` (symm_buffers.SymmBuffer); arguments as in one_shot_all_reduce."""
+                        weight=None, residual=None, eps=1e-6, pre=None, row_len=None,
+                        items_per_round=None):
+    """Launch on `buffer` (symm_buffers.SymmBuffer); arguments as in one_shot_all_reduce.
+    `items_per_round` overrides the round size (tests)."""
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
+    per_round = items_per_round or round_items(triton.cdiv(x.numel(), layout.item), layout.grid)
     two_shot_all_reduce_kernel[(layout.grid,)](
         x, out, x if pre is None else pre, x if weight is None else weight,
         x if residual is None else residual, float(eps),
-        buffer.data_table, buffer.signal_table, x.numel(), buffer.rank, SPIN_TIMEOUT_NS,
+        buffer.data_table, buffer.signal_table, x.numel(), buffer.rank, SPIN_TIMEOUT_NS, per_round,
         **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
         NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
         SUB=layout.sub, SUB_BLOCK=layout.sub_block, WORLD_SIZE=buffer.world_size,

@@ -130,6 +130,9 @@ class Timer:
             del cuda_graph
 
 
+_COMPILED = {}
+
+
 def peers(pattern, inputs, group, cuda, compile_peer):
     """name -> callable running one all_reduce + epilogue of this pattern (with a reset)."""
     x = inputs["x"]
@@ -150,7 +153,8 @@ def peers(pattern, inputs, group, cuda, compile_peer):
 
         def traced(x, sides):
             return eager_epilogue(pattern, funcol.all_reduce(x, "sum", group_name), sides)
-        compiled_fn = torch.compile(traced, dynamic=False)
+        # One compile per pattern, shape-generic: a compile per token count costs minutes.
+        compiled_fn = _COMPILED.setdefault(pattern, torch.compile(traced, dynamic=True))
         sides = {k: v for k, v in inputs.items() if k != "x"}
         impls["compile"] = (lambda: compiled_fn(x, sides), lambda: None)
     import torch.distributed._symmetric_memory as symm_mem
@@ -252,12 +256,14 @@ def plot(rows, patterns, path):
         return False
     fig, axes = plt.subplots(1, len(patterns), figsize=(6 * len(patterns), 5), squeeze=False)
     for ax, pattern in zip(axes[0], patterns):
-        for impl in dict.fromkeys(r["impl"] for r in rows if r["pattern"] == pattern):
+        impls = list(dict.fromkeys(r["impl"] for r in rows if r["pattern"] == pattern))
+        for i, impl in enumerate(impls):
             points = [(r["tokens"], r["graph_us"]) for r in rows if r["pattern"] == pattern
                       and r["impl"] == impl and r.get("graph_us") is not None]
             if points:
                 style = "-" if impl in ("engine", "nccl_ar", "nccl+eager") else "--"
-                ax.plot(*zip(*points), style, marker="o", label=impl, linewidth=1)
+                ax.plot(*zip(*points), style, marker="o", label=impl, linewidth=1,
+                        color=plt.cm.tab20(i % 20))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(f"all_reduce + {pattern} (graph replay)")

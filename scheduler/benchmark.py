@@ -1,6 +1,7 @@
 """Timing one choice on one rank: warm-up, then repetitions timed one by one.
 
-CUDA events on GPU (device time, no host sync inside the loop), perf_counter on CPU. The engine
+CUDA events on GPU (device time, no host sync inside the loop), over CUDA-graph replays where
+the choice can be captured; perf_counter on CPU. The engine
 calls this in lockstep on every rank and combines the medians by MAX, since a collective is as
 slow as its slowest rank.
 """
@@ -34,6 +35,40 @@ def time_reps(fn: Callable[[], object], device: torch.device, warmup: int, reps:
         fn()
         times.append(time.perf_counter() - begin)
     return times
+
+
+CALLS_PER_GRAPH = 10  # one replay holds several calls, so the replay launch itself is amortised
+
+
+def capture(fn: Callable[[], object], device: torch.device, warmup: int):
+    """(graph of CALLS_PER_GRAPH calls, None), or (None, reason) if fn cannot be captured.
+    Capture only records work: nothing crosses ranks here, so a local failure is safe."""
+    try:
+        for _ in range(max(1, warmup)):
+            fn()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(CALLS_PER_GRAPH):
+                fn()
+        return graph, None
+    except Exception as error:  # noqa: BLE001 - reported and agreed on by the caller
+        torch.cuda.synchronize(device)
+        return None, f"{type(error).__name__}: {error}"
+
+
+def time_graph(graph, device: torch.device, reps: int) -> list[float]:
+    """Seconds per call, from `reps` replays of a captured graph."""
+    graph.replay()
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / 1e3 / CALLS_PER_GRAPH for start, end in events]
 
 
 def median(values: list[float]) -> float:

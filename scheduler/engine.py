@@ -206,12 +206,41 @@ class SiteRunner:
                 "infini_dist: dropping choice %s at %s: %s", name, step, err)
         return [c for c in choices if c.name not in failed]
 
+    def _time(self, choices, values, ctx, plane) -> dict[str, float]:
+        """This rank's median per choice. On CUDA, under graph replay when every rank could
+        capture every choice (production decode replays graphs; eager timing would mostly
+        measure host launch overhead), else eagerly for all: one mode per site, agreed."""
+        s = self.settings
+        if ctx.device.type == "cuda" and s.benchmark_cuda_graphs:
+            medians = {}
+            for choice in choices:
+                if plane is not None:
+                    plane.barrier(f"graph {choice.name}")
+                graph, error = benchmark.capture(lambda: choice.run(values), ctx.device,
+                                                 s.benchmark_warmup)
+                errors = plane.all_gather(error, f"capture {choice.name}") if plane else [error]
+                if any(errors):
+                    log.info("infini_dist: timing eagerly, %s cannot be captured: %s",
+                             choice.name, next(e for e in errors if e))
+                    break
+                medians[choice.name] = benchmark.median(benchmark.time_graph(
+                    graph, ctx.device, s.benchmark_reps))
+                del graph
+            else:
+                return medians
+        medians = {}
+        for choice in choices:
+            if plane is not None:
+                plane.barrier(f"time {choice.name}")
+            medians[choice.name] = benchmark.median(benchmark.time_reps(
+                lambda: choice.run(values), ctx.device, s.benchmark_warmup, s.benchmark_reps))
+        return medians
+
     def _benchmark(self, choices, values, reference, meta, ctx, plane, key) -> Choice:
         s = self.settings
         started = time.perf_counter()
         choices = self._drop_failed(choices, meta, ctx, plane, "precompile")
         precompile_s = time.perf_counter() - started
-        medians: dict[str, float] = {}
         survivors = []
         replicated = True
         for choice in choices:
@@ -236,10 +265,8 @@ class SiteRunner:
             elif replicated and len(set(digests)) > 1:
                 log.warning("infini_dist: dropping %s: outputs differ across ranks", choice.name)
                 continue
-            times = benchmark.time_reps(lambda: choice.run(values), ctx.device,
-                                        s.benchmark_warmup, s.benchmark_reps)
-            medians[choice.name] = benchmark.median(times)
             survivors.append(choice)
+        medians = self._time(survivors, values, ctx, plane)
         if timing_hook is not None:
             medians = timing_hook(dict(medians))
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]

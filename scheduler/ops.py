@@ -192,9 +192,14 @@ register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outp
 
 ELEMENTWISE_OPS = ("add", "mul", "scale", "relu", "silu", "gelu", "sigmoid", "swiglu")
 
-# Tolerances for checking a choice against the unfused baseline: one rounding of the output dtype
-# per fused step is allowed, never more.
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+# How far a choice may sit from the unfused baseline. Both sides round: the baseline once per
+# op (and NCCL in bf16 once per reduction step), a fused kernel once at the end, so the check is
+# on the relative L2 error, plus a per-element bound against the tensor's scale that still
+# catches a wrong or unwritten row in a large tensor.
+TOLERANCE = {  # dtype: (relative L2, max element error / max |reference|)
+    torch.float64: (1e-9, 1e-8), torch.float32: (1e-5, 1e-4),
+    torch.float16: (5e-3, 2e-2), torch.bfloat16: (1e-2, 5e-2),
+}
 
 
 def close_enough(actual: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -204,11 +209,18 @@ def close_enough(actual: torch.Tensor, expected: torch.Tensor) -> bool:
         return torch.equal(actual, expected)
     if actual.numel() == 0:
         return True
-    tol = TOLERANCE.get(expected.dtype, 1e-2)
+    l2_tol, max_tol = TOLERANCE.get(expected.dtype, (1e-2, 5e-2))
     a, e = actual.double(), expected.double()
-    if not torch.equal(torch.isfinite(a), torch.isfinite(e)):
-        return False
     finite = torch.isfinite(e)
+    if not torch.equal(torch.isfinite(a), finite):
+        return False
+    if not torch.equal(a[~finite], e[~finite]):  # same infinities, NaN never matches
+        return False
     diff = (a[finite] - e[finite]).abs()
-    bound = tol * (1.0 + e[finite].abs())
-    return bool((diff <= bound).all()) and not math.isnan(float(diff.sum()))
+    scale = e[finite].abs()
+    if diff.numel() == 0:
+        return True
+    tiny = torch.finfo(expected.dtype).tiny
+    relative = diff.norm() <= l2_tol * scale.norm() + tiny
+    bounded = diff.max() <= max_tol * scale.max() + tiny
+    return bool(relative and bounded)

@@ -24,8 +24,7 @@ from symm_cases import (PATTERNS, build, digest, full_span, make_inputs, max_err
                         meta_of, reference)
 
 from infini_dist.kernels import symm_buffers  # noqa: E402
-from infini_dist.kernels.symm_algorithms import (OneShotAllReduce, TwoShotAllReduce,  # noqa: E402
-                                                 plan_span)
+from infini_dist.kernels.symm_algorithms import OneShotAllReduce, TwoShotAllReduce  # noqa: E402
 from infini_dist.scheduler.choices import RunContext  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 4e-3}
@@ -147,6 +146,13 @@ def main():
         check_mixed_grids(algorithm, ctx)
     check_eager(TwoShotAllReduce(), "add_rms_norm", (8192, 4096), torch.bfloat16, ctx)
     check_engine(ctx)
+    # Last, since a failure traps the process: two-shot in rounds (phase 3 of a round beside
+    # phase 2 of the next), rows and chunks.
+    os.environ["INFINI_DIST_SYMM_ROUND_ITEMS"] = "4"
+    check_eager(TwoShotAllReduce(), "add_rms_norm", (1000, 1024), torch.bfloat16, ctx)
+    check_eager(TwoShotAllReduce(), "relu_scale", (2048, 4096), torch.bfloat16, ctx)
+    check_graph_replay(TwoShotAllReduce(), "add_rms_norm", (1000, 1024), torch.bfloat16, ctx)
+    del os.environ["INFINI_DIST_SYMM_ROUND_ITEMS"]
     if rank == 0:
         print("buffers:", symm_buffers.cached_buffers(), flush=True)
     ok = same_everywhere(not failures) and not failures

@@ -16,16 +16,25 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env):
+SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env, backend):
     os.environ.update(env)
     os.environ["INFINI_DIST_CACHE_DIR"] = cache_dir
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        options = {}
+        if backend == "nccl":
+            os.environ.update(SAFE_GPU_ENV)
+            torch.cuda.set_device(rank)
+            options["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size,
-                                timeout=__import__("datetime").timedelta(seconds=180))
+                                timeout=__import__("datetime").timedelta(seconds=180), **options)
         import infini_dist
         infini_dist.config.cache_dir = cache_dir
         result = fn(rank, world_size, *args)
@@ -42,17 +51,18 @@ def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env):
 
 
 def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
-              timeout: float = 300.0, env: dict | None = None) -> list:
+              timeout: float = 300.0, env: dict | None = None, backend: str = "gloo") -> list:
     """Returns each rank's result (rank order). Raises if a rank raised or did not finish.
 
-    `fn(rank, world_size, *args)` must be a module-level function (it is pickled)."""
+    `fn(rank, world_size, *args)` must be a module-level function (it is pickled). With
+    backend="nccl", rank r runs on cuda:r."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = cache_dir or os.path.join(tmp, "cache")
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, cache_dir, fn, args,
-                                                  queue, dict(env or {})))
+                                                  queue, dict(env or {}), backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -138,7 +138,7 @@ def test_layout_is_shape_only_and_fits(world_size):
         symm_chain.launch_layout(100, 7, 1, world_size)
 
 
-# ---- the kernels, interpreted on CPU ranks ---------------------------------------------------------
+# ---- the kernels, interpreted on CPU ranks ------------------------------------------------------
 
 def interpreted_rank(rank, world_size, storages, cases):
     """One rank: every case twice (the second call lands in the other one-shot half)."""
@@ -192,9 +192,13 @@ def test_kernels_interpreted_three_ranks(monkeypatch):
     _run_interpreted(monkeypatch, 3, cases)
 
 
-def test_kernels_interpreted_two_ranks(monkeypatch):
+def test_kernels_interpreted_two_ranks_in_rounds(monkeypatch):
+    # One item per program per round: the two-shot runs phase 3 of a round beside phase 2 of
+    # the next; with 300 rows on 128 programs some programs go through three rounds.
+    monkeypatch.setenv("INFINI_DIST_SYMM_ROUND_ITEMS", "1")
     cases = [(kind, pattern, (3, 48), torch.float32) for kind in ("two_shot", "one_shot")
              for pattern in ("plain", "add_then_rms_norm", "swiglu_up")]
+    cases.append(("two_shot", "add_rms_norm", (300, 8), torch.float32))
     _run_interpreted(monkeypatch, 2, cases)
 
 
