@@ -140,9 +140,11 @@ def main(argv=None):
         else:
             fused_out = forward(fused=True)
     error = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused_out, reference))
+    scale = max(b.float().abs().max().item() for b in reference)
+    relative = error / max(scale, 1e-30)
     if args.compile:
-        import infini_dist.compile
-        rows = infini_dist.compile.decisions()
+        from infini_dist import compile as fusion_pass
+        rows = fusion_pass.decisions()
         # compiled sites have no per-op eager twin: the block-level error is the measure
         errors = {row["op"]: error for row in rows}
     else:
@@ -156,10 +158,13 @@ def main(argv=None):
             print(f"\ncache: {DECISIONS.misses} site(s) tuned and saved to "
                   f"{os.path.expanduser(infini_dist.config.cache_dir)}; run again to load them from the cache")
         print(f"world size {world}, {device.type}, {dtype}, tokens {args.tokens}, hidden "
-              f"{args.hidden}: block output max error vs unfused {error:.3e}")
+              f"{args.hidden}: block output max error vs unfused {error:.3e} "
+              f"({relative:.1e} of the largest value)")
     dist.destroy_process_group()
-    if error > (5e-2 if dtype == torch.bfloat16 else 1e-4):
-        raise SystemExit(f"demo: fused output differs from the unfused reference by {error}")
+    # bf16: a couple of roundings at the largest magnitude; fp32: far below that
+    if relative > (2e-2 if dtype == torch.bfloat16 else 1e-5):
+        raise SystemExit(f"demo: fused output differs from the unfused reference by {error} "
+                         f"({relative:.1e} relative)")
 
 
 if __name__ == "__main__":
