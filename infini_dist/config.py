@@ -132,6 +132,7 @@ class _ConfigModule(types.ModuleType):
     def __setattr__(self, name, value):
         if name in FLAGS:
             value = FLAGS[name][1](name, value)
+            super().__setattr__("_snapshot", None)
         elif not name.startswith("_") and name not in self.__dict__:
             raise AttributeError(f"infini_dist.config has no flag {name!r}; flags: "
                                  f"{', '.join(FLAGS)}")
@@ -150,9 +151,15 @@ class _ConfigModule(types.ModuleType):
         finally:
             for key, value in saved.items():
                 super().__setattr__(key, value)
+            super().__setattr__("_snapshot", None)
 
     def snapshot(self) -> Settings:
-        return Settings(**{k: getattr(self, k) for k in FLAGS})
+        # Cached until a flag changes: every eager fused op asks for it on every call.
+        cached = self.__dict__.get("_snapshot")
+        if cached is None:
+            cached = Settings(**{k: getattr(self, k) for k in FLAGS})
+            super().__setattr__("_snapshot", cached)
+        return cached
 
     def reset(self) -> None:
         """Back to defaults, then environment overrides."""
@@ -160,6 +167,7 @@ class _ConfigModule(types.ModuleType):
             env = os.environ.get(f"INFINI_DIST_{key.upper()}")
             value = parse_env(key, env) if env is not None else validate(key, default)
             super().__setattr__(key, value)
+        super().__setattr__("_snapshot", None)
 
 
 sys.modules[__name__].__class__ = _ConfigModule

@@ -128,6 +128,18 @@ class SubGraph:
             if name not in defined:
                 raise ValueError(f"graph output {name!r} is never produced")
 
+    def __hash__(self):
+        # Hashed on every eager call (executor lookup); the nested tuples never change.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.nodes, self.input_names, self.output_names))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self):
+        # str hashes differ between processes: never carry a cached hash across a pickle.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def canonical(self) -> str:
         return json.dumps({"nodes": [n.canonical() for n in self.nodes],
                            "inputs": list(self.input_names),

@@ -119,3 +119,11 @@ def test_dependent_all_reduces_do_not_coalesce():
     graph = SubGraph((OpNode("all_reduce", ("x",), ("y",)),
                       OpNode("all_reduce", ("y",), ("z",))), ("x",), ("z",))
     assert [s.anchors for s in find_sites(graph)] == [(0,), (1,)]
+
+
+def test_pickled_graph_rehashes_in_the_new_process():
+    import pickle
+    graph = block_graph()
+    hash(graph)  # caches the hash on the instance
+    copy = pickle.loads(pickle.dumps(graph))
+    assert "_hash" not in copy.__dict__ and copy == graph and hash(copy) == hash(graph)
