@@ -33,11 +33,16 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--nproc", type=int, default=None,
                        help="ranks to start (default: one per GPU, or 2 on CPU)")
+        if name == "bench":
+            p.add_argument("--model", action="store_true",
+                           help="the end-to-end TP decoder benchmark (launch/bench_model.py)")
     args, rest = parser.parse_known_args(argv)
     nproc = args.nproc or default_nproc()
     if nproc < 1:
         parser.error("--nproc must be >= 1")
     module = {"demo": "infini_dist.launch.demo", "bench": "infini_dist.launch.bench"}[args.command]
+    if getattr(args, "model", False):
+        module = "infini_dist.launch.bench_model"
     return torchrun(module, nproc, rest)
 
 

@@ -1,0 +1,452 @@
+"""End-to-end latency of a tensor-parallel decoder: Inductor, Inductor + infini_dist, eager NCCL.
+
+    infini-dist bench --model --out bench_model_out [--layers 8 --hidden 4096 --mlp 14336
+        --heads 32 --kv-heads 8 --context 1024 --batches 1,4,16,64 --prefill 2048 --iters 50]
+    infini-dist bench --model --nproc 2 --cpu-smoke --layers 2 --hidden 32 --mlp 64 --heads 4 \\
+        --kv-heads 2 --context 8 --batches 2 --prefill 4       (gloo CPU ranks, float32)
+
+The model (launch/tp_decoder.py): a Llama-style decoder with random weights, tensor-parallel over
+all ranks, whose o_proj and down_proj outputs each go through all_reduce -> residual add ->
+RMSNorm: the sites the infini_dist pass rewrites, two per layer. Decode attends over a static KV
+cache of --context positions, so a step can be captured once and replayed.
+
+Per shape (decode of one token at each batch size, prefill of --prefill tokens at batch 1):
+  inductor      torch.compile(model, dynamic=False)
+  infini_dist   infini_dist.compile.compile_model(model, dynamic=False)
+  eager         no compile; dist.all_reduce (NCCL) in place after each row-parallel projection
+Each is timed under CUDA-graph replay: median per step, max over ranks. We capture the graphs
+ourselves (torch.cuda.graph) instead of using mode="reduce-overhead": every variant, eager
+included, is then measured the same way; the first call of each shape, where infini_dist tunes
+its sites across the ranks, certainly runs outside any capture (the engine does not tune inside
+one and would run its unfused baseline); and cudagraph trees leave out graphs that mutate inputs
+that are not parameters, like the KV cache here. A compile or capture failure becomes a table
+entry (a capture failure falls back to eager timing), never the end of the run.
+
+Correctness: the relative L2 error of each compiled variant's output (the final normed hidden
+state) against eager's, max over ranks; infini_dist's must be <= --tol. Inductor's FX graph
+cache is turned off, so the pass runs at every compile and the site counts are real. Writes the
+tables on stdout (a short summary last), results.json and latency.png under --out. Exit status 1
+when infini_dist's output does not match eager's (or could not be checked); speed is reported
+against the target (>= 1.15x over inductor at decode batch <= 16, never slower), not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_shapes, make_inputs
+
+VARIANTS = ("inductor", "infini_dist", "eager")
+SPEEDUP_TARGET, TARGET_MAX_BATCH = 1.15, 16
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".replace("\n", " ")[:400]
+
+
+class _Warnings(logging.Handler):
+    """Collects infini_dist's warnings (e.g. a site reaching a capture undecided) for the row."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage()[:300])
+
+
+class Bench:
+    """Runs, times and checks one variant at one shape; all cross-rank agreement over gloo."""
+
+    def __init__(self, args, device, control):
+        self.args, self.device, self.control = args, device, control
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def agree(self, error: str | None) -> str | None:
+        """The first rank's error, or None when every rank succeeded."""
+        errors = [None] * dist.get_world_size(self.control)
+        dist.all_gather_object(errors, error, group=self.control)
+        return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+
+    def worst(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return float(t.item())
+
+    def capture(self, fn):
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # eager code warms its lazy state off the default stream
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.sync()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+    def time_graph(self, graph) -> list[float]:
+        for _ in range(3):
+            graph.replay()
+        self.sync()
+        dist.barrier(group=self.control)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.args.iters)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        self.sync()
+        return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+    def time_eager(self, fn):
+        fn()
+        self.sync()
+        dist.barrier(group=self.control)
+        samples, out = [], None
+        for _ in range(self.args.iters):
+            begin = time.perf_counter()
+            out = fn()
+            self.sync()
+            samples.append(time.perf_counter() - begin)
+        return samples, out
+
+    def run(self, variant: str, fn) -> tuple[dict, torch.Tensor | None]:
+        """One variant at one shape: first call (compile, tuning), capture, timing, output."""
+        warnings = _Warnings()
+        logging.getLogger("infini_dist").addHandler(warnings)
+        try:
+            row, out = self._run(variant, fn)
+        finally:
+            logging.getLogger("infini_dist").removeHandler(warnings)
+        if warnings.messages:
+            row["infini_dist_warnings"] = sorted(set(warnings.messages))
+        return row, out
+
+    def _run(self, variant: str, fn) -> tuple[dict, torch.Tensor | None]:
+        import infini_dist.compile as idc
+        from torch._dynamo.utils import counters
+        row = {"variant": variant}
+        sites, pass_graphs = idc.stats["sites"], idc.stats["graphs"]
+        graphs = counters["stats"]["unique_graphs"]
+        begin, error = time.perf_counter(), None
+        try:
+            with torch.no_grad():
+                fn()
+            self.sync()
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the run goes on
+            error = _error_text(exc)
+        row["first_call_s"] = self.worst(time.perf_counter() - begin)
+        error = self.agree(error)
+        if error:
+            row["error"] = f"first call: {error}"
+            return row, None
+        if variant != "eager":
+            row["dynamo_graphs"] = counters["stats"]["unique_graphs"] - graphs
+        if variant == "infini_dist":
+            row["sites"] = idc.stats["sites"] - sites
+            row["pass_graphs"] = idc.stats["graphs"] - pass_graphs
+            row["decisions"] = summarize(idc.decisions())
+        graph, out = None, None
+        if self.cuda:
+            error = None
+            try:
+                with torch.no_grad():
+                    graph, out = self.capture(fn)
+            except Exception as exc:  # noqa: BLE001
+                error, graph = _error_text(exc), None
+            error = self.agree(error)
+            if error:
+                row["capture_error"] = error
+                graph = None
+                try:
+                    self.sync()
+                except Exception:  # noqa: BLE001 - the eager timing below reports what is left
+                    pass
+        error = None
+        try:
+            with torch.no_grad():
+                if graph is not None:
+                    samples = self.time_graph(graph)
+                else:
+                    samples, out = self.time_eager(fn)
+            median = statistics.median(samples)
+        except Exception as exc:  # noqa: BLE001
+            error, median = _error_text(exc), float("nan")
+        error = self.agree(error)
+        row["mode"] = "graph" if graph is not None else "eager"
+        if error:
+            row["error"] = f"timing: {error}"
+            return row, None
+        row["median_us"] = self.worst(median) * 1e6
+        result = out.detach().float().clone()
+        del graph
+        return row, result
+
+    def rel_l2(self, out, ref) -> float:
+        out, ref = out.double(), ref.double()
+        return self.worst(float((out - ref).norm() / ref.norm().clamp_min(1e-30)))
+
+
+def summarize(decisions: list[dict]) -> list[dict]:
+    from infini_dist.compile.runtime_op import subgraph_from_json
+    rows = []
+    for d in decisions:
+        outputs = len(subgraph_from_json(d["subgraph"]).output_names)
+        rows.append({"site": f"{d['op']} ({outputs} out)", "choice": d.get("choice"),
+                     "source": d.get("source"),
+                     "times_us": {k: v * 1e6 for k, v in (d.get("times_s") or {}).items()}})
+    return rows
+
+
+def bench_shape(bench: Bench, model: Decoder, compiled: dict, shape: Shape, dtype) -> list[dict]:
+    args = bench.args
+    x, pos, caches = make_inputs(model.cfg, model, shape, bench.device, dtype)
+    calls = {"eager": lambda: model(x, pos, caches, eager_nccl=True)}
+    calls.update({v: (lambda f=f: f(x, pos, caches)) for v, f in compiled.items()})
+    rows, outputs = [], {}
+    for variant in args.variants:
+        row, outputs[variant] = bench.run(variant, calls[variant])
+        row["shape"], row["kind"], row["batch"], row["tokens"] = (shape.name, shape.kind,
+                                                                  shape.batch, shape.tokens)
+        rows.append(row)
+        if dist.get_rank() == 0:
+            print(f"{shape.name:>14s}  {variant:12s} " + (
+                f"{row['median_us']:10.1f} us ({row['mode']}), first call "
+                f"{row['first_call_s']:.1f}s" if "median_us" in row else row["error"]) +
+                (f"  [capture failed: {row['capture_error']}]" if "capture_error" in row else ""),
+                flush=True)
+    reference = outputs.get("eager")
+    for row in rows:
+        if reference is not None and outputs.get(row["variant"]) is not None \
+                and row["variant"] != "eager":
+            row["rel_l2_vs_eager"] = bench.rel_l2(outputs[row["variant"]], reference)
+    del x, pos, caches, outputs
+    if bench.cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- reporting ------------------------------------------------------------------------------------
+
+def _cell(row, key, fmt):
+    if row is None:
+        return "-"
+    if "error" in row:
+        return "error"
+    value = row.get(key)
+    return "-" if value is None else format(value, fmt)
+
+
+def summary(rows, shapes, args, smoke: bool) -> tuple[list[str], dict]:
+    by = {(r["shape"], r["variant"]): r for r in rows}
+    lines, verdict = [], {"target_misses": [], "check_failures": []}
+    head = (f"{'shape':>14s} {'inductor':>10s} {'+infini':>10s} {'eager':>10s} {'b/a':>6s} "
+            f"{'sites':>5s} {'relL2 b-c':>10s} {'relL2 a-c':>10s}  committed")
+    lines += ["", "summary (us per step, median, max over ranks; b/a = speed-up of infini_dist "
+              "over inductor)", head]
+    for shape in shapes:
+        a, b, c = (by.get((shape.name, v)) for v in VARIANTS)
+        speedup = None
+        if a and b and a.get("median_us") and b.get("median_us"):
+            speedup = a["median_us"] / b["median_us"]
+            target = SPEEDUP_TARGET if shape.kind == "decode" and \
+                shape.batch <= TARGET_MAX_BATCH else 1.0
+            if speedup < target:
+                verdict["target_misses"].append(f"{shape.name}: {speedup:.2f}x < {target}x")
+        elif a is not None and b is not None:
+            verdict["target_misses"].append(f"{shape.name}: no speed-up (an error above)")
+        if b is not None and "infini_dist" in args.variants and "eager" in args.variants:
+            error = b.get("rel_l2_vs_eager")
+            if error is None or not error <= args.tol:
+                verdict["check_failures"].append(
+                    f"{shape.name}: " + ("not checked (an error above)" if error is None
+                                         else f"rel L2 {error:.2e} > {args.tol:g}"))
+        chosen = sorted({d["choice"] for d in (b or {}).get("decisions", [])})
+        lines.append(f"{shape.name:>14s} {_cell(a, 'median_us', '.1f'):>10s} "
+                     f"{_cell(b, 'median_us', '.1f'):>10s} {_cell(c, 'median_us', '.1f'):>10s} "
+                     f"{'-' if speedup is None else f'{speedup:.2f}x':>6s} "
+                     f"{_cell(b, 'sites', 'd'):>5s} {_cell(b, 'rel_l2_vs_eager', '.2e'):>10s} "
+                     f"{_cell(a, 'rel_l2_vs_eager', '.2e'):>10s}  {','.join(chosen) or '-'}")
+    where = " (CPU smoke: the timings say nothing about GPUs)" if smoke else ""
+    lines.append(f"target: infini_dist >= {SPEEDUP_TARGET}x over inductor at decode batch <= "
+                 f"{TARGET_MAX_BATCH}, never slower: " + (
+                     "met" if not verdict["target_misses"] else
+                     "NOT met: " + "; ".join(verdict["target_misses"])) + where)
+    lines.append(f"correctness: infini_dist vs eager, relative L2 <= {args.tol:g}: " + (
+        "ok" if not verdict["check_failures"] else
+        "FAILED: " + "; ".join(verdict["check_failures"])))
+    return lines, verdict
+
+
+def print_details(rows):
+    for row in rows:
+        if "capture_error" in row:
+            print(f"{row['shape']} {row['variant']}: capture failed, timed eagerly: "
+                  f"{row['capture_error']}")
+        if "error" in row:
+            print(f"{row['shape']} {row['variant']}: {row['error']}")
+        for message in row.get("infini_dist_warnings", []):
+            print(f"{row['shape']} {row['variant']}: infini_dist warned: {message}")
+        if row["variant"] == "infini_dist" and "decisions" in row:
+            print(f"\n{row['shape']}: infini_dist replaced {row.get('sites')} site(s) in "
+                  f"{row.get('pass_graphs')} graph(s)")
+            for d in row["decisions"]:
+                times = ", ".join(f"{n} {t:.1f}" for n, t in sorted(d["times_us"].items(),
+                                                                    key=lambda kv: kv[1]))
+                print(f"  {d['site']}: committed {d['choice']} ({d['source']})"
+                      + (f"; us: {times}" if times else ""))
+
+
+def plot(rows, shapes, path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return False
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(shapes), 4.5))
+    width = 0.8 / len(VARIANTS)
+    for i, variant in enumerate(VARIANTS):
+        values = [next((r.get("median_us") for r in rows if r["shape"] == s.name
+                        and r["variant"] == variant), None) for s in shapes]
+        xs = [j + i * width for j, v in enumerate(values) if v]
+        ax.bar(xs, [v for v in values if v], width, label=variant)
+    ax.set_xticks([j + width for j in range(len(shapes))], [s.name for s in shapes])
+    ax.set_yscale("log")
+    ax.set_ylabel("us per step (median, max over ranks)")
+    ax.set_title("TP decoder step latency")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--mlp", type=int, default=14336)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--context", type=int, default=1024, help="KV cache length for decode")
+    parser.add_argument("--batches", default="1,4,16,64", help="decode batch sizes ('' for none)")
+    parser.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: none)")
+    parser.add_argument("--iters", type=int, default=50, help="timed steps per variant and shape")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    # Two correct bf16 runs of 8 layers differ by ~1.5e-2 (Inductor vs eager, measured on CPU);
+    # a lost residual, weight or rank's share shows as 0.3 and more.
+    parser.add_argument("--tol", type=float, default=None,
+                        help="max relative L2 error vs eager (default 5e-2 bf16, 1e-4 fp32)")
+    parser.add_argument("--out", default="bench_model_out")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="gloo CPU ranks, float32, eager timing: checks the script itself")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    requested = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.variants = [v for v in VARIANTS if v in requested]
+    if set(requested) - set(VARIANTS) or not args.variants:
+        parser.error(f"--variants: choose among {','.join(VARIANTS)}, got {requested}")
+    if args.iters < 1 or min(args.batches, default=1) < 1 or args.prefill < 0:
+        parser.error("need --iters >= 1, batch sizes >= 1 and --prefill >= 0")
+    if args.tol is None:
+        args.tol = 1e-4 if args.cpu_smoke else 5e-2
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before any rank joins a group
+    args.model = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads,
+                             args.context)
+    try:
+        check_shapes(args.model, world)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def setup(args):
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    # One compiled entry per (variant, shape) on the same forward: past the default limit of 8
+    # Dynamo would silently fall back to eager.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+    # A cache hit skips the post-grad pass, and then the site counts would read 0.
+    inductor_config.fx_graph_cache = False
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = False
+    if args.cpu_smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        dist.init_process_group("gloo")
+        return device, dtype, dist.group.WORLD
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device, torch.bfloat16, dist.new_group(backend="gloo")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    device, dtype, control = setup(args)
+    import infini_dist.compile as idc
+    rank = dist.get_rank()
+    model = Decoder(args.model, dist.group.WORLD, device, dtype)
+    compiled = {}
+    if "inductor" in args.variants:
+        compiled["inductor"] = torch.compile(model, dynamic=False)
+    if "infini_dist" in args.variants:
+        compiled["infini_dist"] = idc.compile_model(model, dynamic=False)
+    shapes = [Shape("decode", b, 1) for b in args.batches]
+    shapes += [Shape("prefill", 1, args.prefill)] if args.prefill > 0 else []
+    if rank == 0:
+        print(f"TP={dist.get_world_size()} {device.type} {dtype}: {asdict(args.model)}; "
+              f"variants {args.variants}; {args.iters} timed steps each", flush=True)
+    bench = Bench(args, device, control)
+    rows = []
+    for shape in shapes:
+        rows += bench_shape(bench, model, compiled, shape, dtype)
+    lines, verdict = summary(rows, shapes, args, args.cpu_smoke)
+    if rank == 0:
+        print_details(rows)
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"world_size": dist.get_world_size(), "model": asdict(args.model),
+                "dtype": str(dtype).replace("torch.", ""), "variants": args.variants,
+                "iters": args.iters, "device": torch.cuda.get_device_name(device)
+                if device.type == "cuda" else "cpu", "torch": torch.__version__,
+                "cpu_smoke": args.cpu_smoke, "tol": args.tol,
+                "wall_s": time.perf_counter() - started}
+        try:
+            import triton
+            meta["triton"] = triton.__version__
+        except ImportError:
+            pass
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)
+        plotted = plot(rows, shapes, os.path.join(args.out, "latency.png"))
+        print(f"\nwrote {args.out}/results.json" + (" and latency.png" if plotted else "") +
+              f"; {meta['wall_s']:.0f}s in all")
+        print("\n".join(lines), flush=True)
+    dist.destroy_process_group()
+    return 1 if verdict["check_failures"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
