@@ -104,6 +104,15 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _current_device_check(device: torch.device):
+    """A cheap `device is the current device` test: switching devices costs more than asking."""
+    if device.type != "cuda":
+        return lambda: True
+    if device.index is None:
+        return lambda: False
+    return lambda: torch.cuda.current_device() == device.index
+
+
 class NcclEpilogueAlgorithm(Algorithm):
     name = "nccl+nt_epilogue"
 
@@ -124,16 +133,18 @@ class NcclEpilogueAlgorithm(Algorithm):
         with _on(device):  # builds the kernel
             launch = prepare(p.chain, [meta[n].shape for n in p.chain_inputs],
                              [meta[n].dtype for n in p.chain_inputs])
+        sides = p.chain_inputs[1:]  # the reduced value comes first
+        count = len(p.chain_outputs)
+        on_device = _current_device_check(device)
 
         def run(env):
-            with _on(device):
+            with contextlib.nullcontext() if on_device() else _on(device):
                 reduced = env[p.source].clone(memory_format=torch.contiguous_format)
                 dist.all_reduce(reduced, group=group)
-                inputs = [reduced if n == p.reduced else env[n] for n in p.chain_inputs]
-                outs = [None] * len(p.chain_outputs)
+                outs = [None] * count
                 if p.in_place is not None:
                     outs[p.in_place] = reduced
-                results = launch(inputs, outs)
+                results = launch([reduced] + [env[n] for n in sides], outs)
             values = dict(zip(p.chain_outputs, results))
             if p.returns_reduced:
                 values[p.reduced] = reduced

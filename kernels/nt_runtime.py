@@ -14,12 +14,17 @@ driver so the kernels run under Triton's interpreter (TRITON_INTERPRET=1) on mac
 
 TRITON_INTERPRET must be set before the first kernel is made: Triton reads it when it decorates a
 kernel, and the kernel caches keep what was made.
+
+`FastLaunch` (end of the file) launches any Triton kernel, ours or ninetoothed's, with the
+per-call host work cut to filling in a few tensors; see its docstring.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
+import types
 from types import SimpleNamespace
 
 _make_lock = threading.RLock()
@@ -111,3 +116,165 @@ def make(premade, num_warps: int, num_stages: int = 1):
     with _make_lock:
         return ninetoothed.make(arrangement, application, tensors, num_warps=num_warps,
                                 num_stages=num_stages)
+
+
+# ---- launching a Triton kernel with the host path cut short -------------------------------------
+
+def fast_launch_enabled() -> bool:
+    """INFINI_DIST_FAST_LAUNCH=0 keeps every launch on Triton's normal path (for A/B timing)."""
+    return os.environ.get("INFINI_DIST_FAST_LAUNCH", "1") != "0"
+
+
+_compiled_kernel_type = None
+
+
+def compiled_kernel_type():
+    """Triton's CompiledKernel class when it offers `compiled[grid](*args, stream=)` (Triton 3.6
+    and 3.9 both do), else None: then every launch takes the normal path. Looked up once."""
+    global _compiled_kernel_type
+    if _compiled_kernel_type is None:
+        found = False
+        if not interpreting():
+            try:
+                from triton.compiler import CompiledKernel
+                found = CompiledKernel if callable(getattr(CompiledKernel, "__getitem__", None)) \
+                    else False
+            except ImportError:
+                pass
+        _compiled_kernel_type = found
+    return _compiled_kernel_type or None
+
+
+class FastLaunch:
+    """One launch of a Triton kernel whose grid, options and arguments are fixed but for a few
+    tensors (the `per_call` ones), which each call passes anew.
+
+    Triton's normal launch (`kernel[grid](...)`) binds every argument, computes its
+    specialisation (type, 16-byte alignment, ints equal to 1 or multiples of 16) and a cache
+    key, then calls the compiled kernel's launcher: ~40 us of Python for our ~45-argument
+    kernels. Here the arguments are bound once, into a list in parameter order (what the
+    launcher takes, constexprs included). The first call takes the normal path and keeps the
+    CompiledKernel it returns; later calls fill in the per-call tensors and call
+    `compiled[grid](*args, stream=)` directly. Such a call would have found that same kernel
+    on the normal path only if the specialisation is the same, so a call takes the short path
+    only when its per-call tensors have the first call's dtypes and 16-byte-aligned addresses
+    (everything else is fixed by construction) and the current device is the first call's;
+    any other call takes the normal path. Feature detection is once per FastLaunch: when the
+    normal path returns no CompiledKernel (the interpreter, another Triton), every call stays
+    on the normal path, with the pre-bound arguments.
+
+    What the short path skips: Triton's pre-run hooks (none may be registered, else it is not
+    used), its check that the kernel's globals are unchanged, and its re-reading of the debug
+    knobs (set them before the first launch).
+    """
+
+    def __init__(self, kernel, grid, args, kwargs, per_call):
+        signature = inspect.signature(kernel.fn)
+        options = {k: v for k, v in kwargs.items() if k not in signature.parameters}
+        bound = signature.bind(*args, **{k: v for k, v in kwargs.items()
+                                         if k in signature.parameters})
+        bound.apply_defaults()
+        values = list(bound.arguments.values())
+        if callable(grid):
+            grid = grid(bound.arguments)
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.options = options
+        # (position, index into per_call): every argument that *is* a per-call tensor
+        self.slots = tuple((position, index) for position, value in enumerate(values)
+                           for index, tensor in enumerate(per_call) if value is tensor)
+        for position, _ in self.slots:
+            values[position] = None  # keeps no caller tensor alive
+        self.args = values
+        self.count = len(per_call)
+        self._try_fast = fast_launch_enabled()
+        self._launcher = None
+        self._device = None
+        self._dtypes = ()
+        self._get_device = self._get_stream = None
+
+    @property
+    def fast(self) -> bool:
+        """Whether calls now take the short path."""
+        return self._launcher is not None
+
+    @property
+    def normal_only(self) -> bool:
+        """Whether every call takes the normal path for good (disabled, or no CompiledKernel)."""
+        return self._launcher is None and not self._try_fast
+
+    def _fill(self, tensors) -> list:
+        args = self.args.copy()
+        for position, index in self.slots:
+            args[position] = tensors[index]
+        return args
+
+    def __call__(self, *tensors):
+        launcher = self._launcher
+        if launcher is not None and len(tensors) == self.count:
+            for tensor, dtype in zip(tensors, self._dtypes):
+                if tensor.dtype is not dtype or tensor.data_ptr() % 16:
+                    break
+            else:
+                device = self._get_device()
+                if device == self._device:
+                    launcher(*self._fill(tensors), stream=self._get_stream(device))
+                    return
+        self._normal(tensors)
+
+    def _normal(self, tensors):
+        if len(tensors) != self.count:
+            raise TypeError(f"this launch takes {self.count} tensors, got {len(tensors)}")
+        compiled = self.kernel[self.grid](*self._fill(tensors), **self.options)
+        if self._try_fast and self._launcher is None:
+            self._adopt(compiled, tensors)
+
+    def _adopt(self, compiled, tensors):
+        if any(t.data_ptr() % 16 for t in tensors):
+            return  # a specialisation for unaligned tensors: wait for an aligned call
+        kind = compiled_kernel_type()
+        if (kind is None or not isinstance(compiled, kind)
+                or getattr(self.kernel, "pre_run_hooks", None)):
+            self._try_fast = False  # the normal path it is, for good
+            return
+        import triton
+        active = triton.runtime.driver.active
+        self._get_device = active.get_current_device
+        self._get_stream = active.get_current_stream
+        self._device = self._get_device()
+        self._dtypes = tuple(t.dtype for t in tensors)
+        self._launcher = compiled[self.grid]
+
+
+def fast_launch(handle, args, per_call) -> FastLaunch | None:
+    """The FastLaunch of `handle(*args)` (`handle` from `make`), with the tensors in
+    `per_call` (each its own object, found among `args`) passed anew at every call; None when
+    this ninetoothed's handle does not show its Triton kernel and launch function.
+
+    ninetoothed's generated launch function turns every tensor into its pointer, sizes and
+    strides and calls `kernel[grid](...)`. It is run once here with the kernel swapped for a
+    recorder (in a copy of its globals: the shared module is left alone), and what it would
+    pass is what the FastLaunch binds. Sizes and strides are then fixed, so calls must pass
+    tensors laid out like `args` (the caller checks shapes and contiguity)."""
+    kernel, launch = getattr(handle, "_kernel", None), getattr(handle, "_launch", None)
+    code = getattr(launch, "__code__", None)
+    if code is None or not hasattr(kernel, "fn"):
+        return None
+    names = [name for name, value in launch.__globals__.items() if value is kernel]
+    if len(names) != 1:
+        return None
+    recorded = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append((grid, args, kwargs))
+
+    replay = types.FunctionType(code, {**launch.__globals__, names[0]: Recorder()}, code.co_name,
+                                launch.__defaults__, launch.__closure__)
+    replay(*args)
+    if len(recorded) != 1:
+        return None
+    grid, recorded_args, recorded_kwargs = recorded[0]
+    if any(hasattr(a, "data_ptr") and not any(a is t for t in per_call) for a in recorded_args):
+        return None  # a tensor the launch function made itself would be kept from this call
+    return FastLaunch(kernel, grid, recorded_args, recorded_kwargs, per_call)

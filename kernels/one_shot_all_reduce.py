@@ -87,19 +87,27 @@ def _slot_elements(numel: int) -> int:
     return triton.cdiv(numel, 64) * 64  # keeps every slot 128-byte aligned
 
 
-def one_shot_all_reduce(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                        weight=None, residual=None, eps=1e-6, pre=None, row_len=None):
-    """Launch on `buffer` (symm_buffers.SymmBuffer). `prologue` / `epilogue` are ChainOps whose
-    side tensors are looked up in `sides`; `norm` is a symm_chain norm code, with `weight` and
-    (ADD_RMS_NORM) `residual` over rows of `row_len`. Writes `out` and, if given, `pre` (the
-    value the norm normalises, i.e. the new residual)."""
+def one_shot_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
+                    weight=None, residual=None, eps=1e-6, pre=None, row_len=None):
+    """The launch `one_shot_all_reduce` makes, as (kernel, grid, args, kwargs); kwargs holds
+    the launch options too. Reads of the tensors: x.numel() and x.is_cuda only."""
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
-    one_shot_all_reduce_kernel[(layout.grid,)](
-        x, out, x if pre is None else pre, x if weight is None else weight,
-        x if residual is None else residual, float(eps),
-        buffer.data_table, buffer.signal_table, buffer.epoch,
-        x.numel(), _slot_elements(x.numel()), buffer.rank, SPIN_TIMEOUT_NS,
+    args = (x, out, x if pre is None else pre, x if weight is None else weight,
+            x if residual is None else residual, float(eps),
+            buffer.data_table, buffer.signal_table, buffer.epoch,
+            x.numel(), _slot_elements(x.numel()), buffer.rank, SPIN_TIMEOUT_NS)
+    kwargs = dict(
         **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
         NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
         MAX_PROGRAMS=MAX_PROGRAMS, WORLD_SIZE=buffer.world_size,
         WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
+    return one_shot_all_reduce_kernel, (layout.grid,), args, kwargs
+
+
+def one_shot_all_reduce(x, buffer, out, **options):
+    """Launch on `buffer` (symm_buffers.SymmBuffer). `prologue` / `epilogue` are ChainOps whose
+    side tensors are looked up in `sides`; `norm` is a symm_chain norm code, with `weight` and
+    (ADD_RMS_NORM) `residual` over rows of `row_len`. Writes `out` and, if given, `pre` (the
+    value the norm normalises, i.e. the new residual). Options as in `one_shot_launch`."""
+    kernel, grid, args, kwargs = one_shot_launch(x, buffer, out, **options)
+    kernel[grid](*args, **kwargs)

@@ -12,6 +12,11 @@ engine compiles choices in a thread pool (no order across ranks), but runs each 
 call in lockstep on every rank and eagerly, before any CUDA-graph capture. `compile` does the
 local work: it builds the launch and runs it once on private scratch memory whose barriers are
 pre-satisfied, which compiles the Triton kernel with no cross-rank traffic.
+
+A runner launches through `PreparedLaunch`: everything but the tensors is bound once per
+(plan, buffer), and after its first call the compiled kernel is launched directly
+(`nt_runtime.FastLaunch`): ~75 -> ~10 us of Python per eager call on our CPU machine
+(launch stubbed; docs/notes_symm.md, "Host launch overhead").
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from infini_dist.kernels import symm_buffers
-from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce, one_shot_bytes
+from infini_dist.kernels.nt_runtime import FastLaunch, fast_launch_enabled
+from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes, one_shot_launch
 from infini_dist.kernels.symm_chain import (ADD_RMS_NORM, MAX_CHAIN, MAX_ROW, NO_NORM, RMS_NORM,
                                             encode_node)
-from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce, two_shot_bytes
+from infini_dist.kernels.two_shot_all_reduce import two_shot_bytes, two_shot_launch
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.choices import Algorithm
 
@@ -60,6 +66,15 @@ class SpanPlan:
     @property
     def sides(self) -> tuple:
         return tuple(op.side for op in self.prologue + self.epilogue if op.side is not None)
+
+    @property
+    def tensor_inputs(self) -> tuple:
+        """Every input the kernel reads, each once: the source, then sides, weight, residual."""
+        names = (self.source,) + self.sides + (self.weight, self.residual)
+        return tuple(dict.fromkeys(n for n in names if n))
+
+    def results(self, out, pre) -> dict:
+        return {name: out if name == self.out else pre for name in self.outputs}
 
 
 def _same(meta, name, like) -> bool:
@@ -150,12 +165,51 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
                     x.shape[-1] if norm != NO_NORM.value else None)
 
 
+class PreparedLaunch:
+    """`algorithm.launch(plan, env, buffer)` for one plan and buffer, with the per-call host
+    work cut to: look up the inputs, check them, allocate the outputs, launch
+    (`nt_runtime.FastLaunch`). Inputs of other shapes or layouts than the first call's take
+    `algorithm.launch`, which copies them contiguous."""
+
+    def __init__(self, algorithm, plan: SpanPlan, buffer, env: dict):
+        self.algorithm, self.plan, self.buffer = algorithm, plan, buffer
+        self.names = plan.tensor_inputs
+        self.shapes = tuple(env[name].shape for name in self.names)
+        # Stand-ins, each its own object, so FastLaunch can tell which argument is which
+        # per-call tensor (x also fills the unused pointer slots).
+        inputs = {name: env[name].view(env[name].shape) for name in self.names}
+        out, pre = object(), object() if plan.pre else None
+        kernel, grid, args, kwargs = algorithm.launch_arguments(
+            plan, inputs[plan.source], inputs, buffer, out, pre)
+        per_call = [inputs[name] for name in self.names] + [out] + ([pre] if plan.pre else [])
+        self.launch = FastLaunch(kernel, grid, args, kwargs, per_call)
+        self.enabled = fast_launch_enabled()  # else: exactly the normal path, for A/B timing
+
+    def __call__(self, env: dict) -> dict:
+        tensors = [env[name] for name in self.names]
+        x = tensors[0]
+        if x.dtype is not self.plan.dtype or not self.enabled:
+            return self.algorithm.launch(self.plan, env, self.buffer)
+        for tensor, shape in zip(tensors, self.shapes):
+            if tensor.shape != shape or not tensor.is_contiguous():
+                return self.algorithm.launch(self.plan, env, self.buffer)
+        out = torch.empty_like(x)
+        if self.plan.pre:
+            pre = torch.empty_like(x)
+            self.launch(*tensors, out, pre)
+        else:
+            pre = None
+            self.launch(*tensors, out)
+        return self.plan.results(out, pre)
+
+
 class _SymmAllReduce(Algorithm):
     name = "symm"
     kind = ""
     max_bytes = 0
 
-    def launcher(self):
+    def launch_builder(self):
+        """one_shot_launch or two_shot_launch."""
         raise NotImplementedError
 
     def data_bytes(self, plan: SpanPlan, world_size: int) -> int:
@@ -165,18 +219,23 @@ class _SymmAllReduce(Algorithm):
         plan = plan_span(span, meta, ctx)
         return plan is not None and plan.numel * plan.dtype.itemsize <= self.max_bytes
 
+    def launch_arguments(self, plan: SpanPlan, x, tensors: dict, buffer, out, pre):
+        """(kernel, grid, args, kwargs) of the launch for `plan`, `tensors` by input name."""
+        return self.launch_builder()(
+            x, buffer, out, prologue=plan.prologue, epilogue=plan.epilogue, sides=tensors,
+            norm=plan.norm, weight=tensors[plan.weight] if plan.weight else None,
+            residual=tensors[plan.residual] if plan.residual else None, eps=plan.eps,
+            pre=pre, row_len=plan.row_len)
+
     def launch(self, plan: SpanPlan, env: dict, buffer) -> dict:
-        x = env[plan.source].contiguous()
-        sides = {name: env[name].contiguous() for name in plan.sides}
+        """One launch through Triton's normal path; inputs of any layout."""
+        tensors = {name: env[name].contiguous() for name in plan.tensor_inputs}
+        x = tensors[plan.source]
         out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
         pre = torch.empty_like(out) if plan.pre else None
-        self.launcher()(x, buffer, out, prologue=plan.prologue, epilogue=plan.epilogue,
-                        sides=sides, norm=plan.norm,
-                        weight=env[plan.weight].contiguous() if plan.weight else None,
-                        residual=env[plan.residual].contiguous() if plan.residual else None,
-                        eps=plan.eps, pre=pre, row_len=plan.row_len)
-        produced = {plan.out: out, plan.pre: pre}
-        return {name: produced[name] for name in plan.outputs}
+        kernel, grid, args, kwargs = self.launch_arguments(plan, x, tensors, buffer, out, pre)
+        kernel[grid](*args, **kwargs)
+        return plan.results(out, pre)
 
     def compile(self, span, meta, ctx):
         plan = plan_span(span, meta, ctx)
@@ -185,10 +244,8 @@ class _SymmAllReduce(Algorithm):
         data_bytes = self.data_bytes(plan, ctx.world_size)
         with torch.cuda.device(ctx.device):
             # Warm-up: compile and run once on private scratch with pre-satisfied barriers.
-            names = (plan.source,) + plan.sides + tuple(
-                n for n in (plan.weight, plan.residual) if n)
             scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
-                       for n in names}
+                       for n in plan.tensor_inputs}
             buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)
             self.launch(plan, scratch, buffer)
             torch.cuda.synchronize(ctx.device)
@@ -197,11 +254,11 @@ class _SymmAllReduce(Algorithm):
         state = {}
 
         def run(env):
-            buffer = state.get("buffer")
-            if buffer is None:  # collective; the engine's first call is eager and in lockstep
-                buffer = state["buffer"] = symm_buffers.get_buffer(ctx.group, ctx.device,
-                                                                   self.kind, data_bytes)
-            return self.launch(plan, env, buffer)
+            prepared = state.get("prepared")
+            if prepared is None:  # collective; the engine's first call is eager and in lockstep
+                buffer = symm_buffers.get_buffer(ctx.group, ctx.device, self.kind, data_bytes)
+                prepared = state["prepared"] = PreparedLaunch(self, plan, buffer, env)
+            return prepared(env)
         return run
 
 
@@ -210,8 +267,8 @@ class OneShotAllReduce(_SymmAllReduce):
     kind = "one_shot"
     max_bytes = ONE_SHOT_MAX_BYTES
 
-    def launcher(self):
-        return one_shot_all_reduce
+    def launch_builder(self):
+        return one_shot_launch
 
     def data_bytes(self, plan, world_size):
         return one_shot_bytes(plan.numel, plan.dtype.itemsize, world_size)
@@ -222,8 +279,8 @@ class TwoShotAllReduce(_SymmAllReduce):
     kind = "two_shot"
     max_bytes = TWO_SHOT_MAX_BYTES
 
-    def launcher(self):
-        return two_shot_all_reduce
+    def launch_builder(self):
+        return two_shot_launch
 
     def data_bytes(self, plan, world_size):
         return two_shot_bytes(plan.numel, plan.dtype.itemsize, world_size, plan.row_len,

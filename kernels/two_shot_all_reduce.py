@@ -161,19 +161,27 @@ def round_items(items: int, grid: int) -> int:
     return 16 if per_program >= 32 else max(1, per_program)
 
 
-def two_shot_all_reduce(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                        weight=None, residual=None, eps=1e-6, pre=None, row_len=None,
-                        items_per_round=None):
-    """Launch on `buffer` (symm_buffers.SymmBuffer); arguments as in one_shot_all_reduce.
-    `items_per_round` overrides the round size (tests)."""
+def two_shot_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
+                    weight=None, residual=None, eps=1e-6, pre=None, row_len=None,
+                    items_per_round=None):
+    """The launch `two_shot_all_reduce` makes, as (kernel, grid, args, kwargs); kwargs holds
+    the launch options too. Reads of the tensors: x.numel() and x.is_cuda only."""
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
     per_round = items_per_round or round_items(triton.cdiv(x.numel(), layout.item), layout.grid)
-    two_shot_all_reduce_kernel[(layout.grid,)](
-        x, out, x if pre is None else pre, x if weight is None else weight,
-        x if residual is None else residual, float(eps),
-        buffer.data_table, buffer.signal_table, x.numel(), buffer.rank, SPIN_TIMEOUT_NS, per_round,
+    args = (x, out, x if pre is None else pre, x if weight is None else weight,
+            x if residual is None else residual, float(eps),
+            buffer.data_table, buffer.signal_table, x.numel(), buffer.rank, SPIN_TIMEOUT_NS,
+            per_round)
+    kwargs = dict(
         **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
         NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
         SUB=layout.sub, SUB_BLOCK=layout.sub_block, WORLD_SIZE=buffer.world_size,
         WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
+    return two_shot_all_reduce_kernel, (layout.grid,), args, kwargs
 
+
+def two_shot_all_reduce(x, buffer, out, **options):
+    """Launch on `buffer` (symm_buffers.SymmBuffer); arguments as in one_shot_all_reduce.
+    `items_per_round` overrides the round size (tests)."""
+    kernel, grid, args, kwargs = two_shot_launch(x, buffer, out, **options)
+    kernel[grid](*args, **kwargs)
