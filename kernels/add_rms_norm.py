@@ -6,14 +6,12 @@ Unfused torch:
     return normed.to(x.dtype), total.to(x.dtype)
 """
 
-import functools
-
 import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
-from infini_dist.kernels import nt_runtime
 from infini_dist.kernels.rms_norm import rms_normalize_fp32
-from infini_dist.kernels.rows import arrangement, broadcast_shape, check_dtypes, output, run_rowwise
+from infini_dist.kernels.rows import (arrangement, broadcast_shape, cached_make, check_dtypes,
+                                     output, run_rowwise, tiled_premake)
 
 
 def application(input, residual, weight, eps, num_cols, output, residual_out):
@@ -24,15 +22,12 @@ def application(input, residual, weight, eps, num_cols, output, residual_out):
 
 
 def premake(block_m, block_n):
-    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
     tensors = (Tensor(2, other=0.0), Tensor(2, other=0.0), Tensor(1, other=0.0), Tensor(0),
                Tensor(0), Tensor(2), Tensor(2))
-    return arrangement_, application, tensors
+    return tiled_premake(arrangement, application, tensors, block_m, block_n)
 
 
-@functools.cache
-def make(block_m, block_n, num_warps):
-    return nt_runtime.make(premake(block_m, block_n), num_warps)
+make = cached_make(premake)
 
 
 def add_rms_norm(x, residual, weight, eps=1e-6, out=None, residual_out=None):

@@ -10,7 +10,7 @@ import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
 from infini_dist.kernels import nt_runtime
-from infini_dist.kernels.rows import arrangement, run_elementwise
+from infini_dist.kernels.rows import arrangement, run_elementwise, tiled_premake
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -43,8 +43,7 @@ def check_approximate(approximate):
 def premake(block_m, block_n, approximate="none"):
     check_approximate(approximate)
     application = tanh_application if approximate == "tanh" else erf_application
-    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
-    return arrangement_, application, (Tensor(2), Tensor(2))
+    return tiled_premake(arrangement, application, (Tensor(2), Tensor(2)), block_m, block_n)
 
 
 @functools.cache

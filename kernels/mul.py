@@ -4,13 +4,10 @@ Unfused torch:
     out = (a.float() * b.float()).to(a.dtype)
 """
 
-import functools
-
 import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
-from infini_dist.kernels import nt_runtime
-from infini_dist.kernels.rows import arrangement, run_elementwise
+from infini_dist.kernels.rows import arrangement, cached_make, run_elementwise, tiled_premake
 
 
 def application(input, other, output):
@@ -18,13 +15,11 @@ def application(input, other, output):
 
 
 def premake(block_m, block_n):
-    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
-    return arrangement_, application, (Tensor(2), Tensor(2), Tensor(2))
+    tensors = (Tensor(2), Tensor(2), Tensor(2))
+    return tiled_premake(arrangement, application, tensors, block_m, block_n)
 
 
-@functools.cache
-def make(block_m, block_n, num_warps):
-    return nt_runtime.make(premake(block_m, block_n), num_warps)
+make = cached_make(premake)
 
 
 def mul(a, b, out=None):

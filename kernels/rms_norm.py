@@ -5,13 +5,11 @@ Unfused torch:
     out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 """
 
-import functools
-
 import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
-from infini_dist.kernels import nt_runtime
-from infini_dist.kernels.rows import arrangement, check_dtypes, output, run_rowwise
+from infini_dist.kernels.rows import (arrangement, cached_make, check_dtypes, output, run_rowwise,
+                                     tiled_premake)
 
 
 def rms_normalize_fp32(x, weight, eps, num_cols):
@@ -27,15 +25,12 @@ def application(input, weight, eps, num_cols, output):
 
 
 def premake(block_m, block_n):
-    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
     # other=0: lanes past the row end must add nothing to the sum of squares.
     tensors = (Tensor(2, other=0.0), Tensor(1, other=0.0), Tensor(0), Tensor(0), Tensor(2))
-    return arrangement_, application, tensors
+    return tiled_premake(arrangement, application, tensors, block_m, block_n)
 
 
-@functools.cache
-def make(block_m, block_n, num_warps):
-    return nt_runtime.make(premake(block_m, block_n), num_warps)
+make = cached_make(premake)
 
 
 def rms_norm(x, weight, eps=1e-6, out=None):

@@ -12,6 +12,8 @@ reduces in the same order (bitwise identical results on all ranks).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -27,6 +29,20 @@ def arrangement(*tensors, block_m, block_n):
     tile_rows = next(t.shape[0] for t in tiled if t.ndim == 2)
     return tuple(t.tile((block_n,)).unsqueeze(0).expand((tile_rows, -1)) if t.ndim == 1 else t
                  for t in tiled)
+
+
+def tiled_premake(arrangement, application, tensors, block_m: int, block_n: int):
+    """What `ninetoothed.make` takes: `arrangement` bound to a (block_m, block_n) tile."""
+    return functools.partial(arrangement, block_m=block_m, block_n=block_n), application, tensors
+
+
+def cached_make(premake):
+    """`make(block_m, block_n, num_warps)`: the kernel built from `premake`, once per tile shape."""
+    @functools.cache
+    def make(block_m, block_n, num_warps):
+        from infini_dist.kernels import nt_runtime  # it imports ninetoothed; rows must not
+        return nt_runtime.make(premake(block_m, block_n), num_warps)
+    return make
 
 
 def next_power_of_2(n: int) -> int:

@@ -4,13 +4,10 @@ Unfused torch:
     out = torch.sigmoid(x.float()).to(x.dtype)
 """
 
-import functools
-
 import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
-from infini_dist.kernels import nt_runtime
-from infini_dist.kernels.rows import arrangement, run_elementwise
+from infini_dist.kernels.rows import arrangement, cached_make, run_elementwise, tiled_premake
 
 
 def sigmoid_fp32(x):
@@ -23,13 +20,10 @@ def application(input, output):
 
 
 def premake(block_m, block_n):
-    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
-    return arrangement_, application, (Tensor(2), Tensor(2))
+    return tiled_premake(arrangement, application, (Tensor(2), Tensor(2)), block_m, block_n)
 
 
-@functools.cache
-def make(block_m, block_n, num_warps):
-    return nt_runtime.make(premake(block_m, block_n), num_warps)
+make = cached_make(premake)
 
 
 def sigmoid(x, out=None):

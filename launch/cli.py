@@ -1,4 +1,4 @@
-"""`infini-dist`: start the demo or the benchmark under torchrun, one rank per GPU (or 2 CPU ranks)."""
+"""`infini-dist`: start the demo or a benchmark under torchrun, one rank per GPU (or 2 on CPU)."""
 
 from __future__ import annotations
 

@@ -119,8 +119,8 @@ def main(argv=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    layers = [TPBlock(args.hidden, 2, 4 * args.hidden, world, seed=1000 * i + rank).to(device, dtype)
-              for i in range(args.layers)]
+    layers = [TPBlock(args.hidden, 2, 4 * args.hidden, world, seed=1000 * i + rank)
+              .to(device, dtype) for i in range(args.layers)]
     gen = torch.Generator().manual_seed(0)  # activations are replicated across TP ranks
     x0 = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
 
@@ -156,7 +156,8 @@ def main(argv=None):
                   f"{os.path.expanduser(infini_dist.config.cache_dir)}; nothing was tuned")
         else:
             print(f"\ncache: {DECISIONS.misses} site(s) tuned and saved to "
-                  f"{os.path.expanduser(infini_dist.config.cache_dir)}; run again to load them from the cache")
+                  f"{os.path.expanduser(infini_dist.config.cache_dir)}; run again to load them "
+                  f"from the cache")
         print(f"world size {world}, {device.type}, {dtype}, tokens {args.tokens}, hidden "
               f"{args.hidden}: block output max error vs unfused {error:.3e} "
               f"({relative:.1e} of the largest value)")

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 
-def time_reps(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> list[float]:
+def time_reps(fn: Callable[[], object], device: torch.device, warmup: int,
+              reps: int) -> list[float]:
     """Seconds per repetition."""
     for _ in range(warmup):
         fn()

@@ -111,8 +111,8 @@ class SubGraph:
             spec = op_registry.get_op(node.op_type)  # raises for an unknown op
             for name in node.inputs:
                 if name not in defined:
-                    raise ValueError(f"node {index} ({node.op_type}) reads {name!r}, which is neither "
-                                     f"a graph input nor produced by an earlier node")
+                    raise ValueError(f"node {index} ({node.op_type}) reads {name!r}, which is "
+                                     f"neither a graph input nor produced by an earlier node")
             expected = len(node.inputs) if spec.outputs_per_input else spec.num_outputs
             if len(node.outputs) != expected:
                 raise ValueError(f"node {index} ({node.op_type}) must have {expected} output(s), "
@@ -122,7 +122,8 @@ class SubGraph:
                                  f"got {len(node.inputs)}")
             for name in node.outputs:
                 if name in defined:
-                    raise ValueError(f"value {name!r} is defined twice (node {index}, {node.op_type})")
+                    raise ValueError(f"value {name!r} is defined twice (node {index}, "
+                                     f"{node.op_type})")
                 defined.add(name)
         for name in self.output_names:
             if name not in defined:
@@ -150,7 +151,8 @@ class SubGraph:
         """sha256 of the structure alone: equal in every process for equal graphs."""
         return hashlib.sha256(self.canonical().encode()).hexdigest()
 
-    def cache_key(self, dtypes: Iterable[Any], shapes: Iterable[Iterable[int]], **extra: Any) -> str:
+    def cache_key(self, dtypes: Iterable[Any], shapes: Iterable[Iterable[int]],
+                  **extra: Any) -> str:
         payload = json.dumps({"graph": self.canonical(),
                               "dtypes": [str(d) for d in dtypes],
                               "shapes": [[int(s) for s in shape] for shape in shapes],

@@ -6,7 +6,6 @@ keep, so a fused choice can be checked against the unfused baseline.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 

@@ -169,7 +169,10 @@ def collective_patterns_rank(rank, world_size):
         result["group_name"] = group_name_case(rank, world_size, fused, plain)
     result["stats"] = fused.get_cache_stats()
     result["plain_stats"] = plain.get_cache_stats()
-    # Rank 0 writes the tuned decisions to the cache dir: which choices were committed.
+    # Rank 0 of each group writes its tuned decisions to the cache dir: which choices were
+    # committed. Each rank tunes its own singleton group, so wait until every rank has written.
+    import torch.distributed as dist
+    dist.barrier()
     result["committed"] = sorted(json.loads(p.read_text())["choice"]
                                  for p in Path(infini_dist.config.cache_dir).glob("*.json"))
     return result
