@@ -17,18 +17,20 @@ from infini_dist.scheduler import ops as op_registry
 _ATTR_TYPES = (bool, int, float, str, type(None))
 
 
-def _as_names(value: Any, what: str) -> tuple[str, ...]:
-    # A bare string is iterable, so tuple("x_in") would silently become five names.
+def as_names(value: Any, what: str, noun: str = "names") -> tuple[str, ...]:
+    """`value` as a tuple of non-empty strings, or a TypeError saying what was wrong."""
+    # A bare string is iterable, so tuple("x_in") would silently become four names.
     if isinstance(value, str):
-        raise TypeError(f"{what} must be a tuple of names, got the bare string {value!r}; "
+        raise TypeError(f"{what} must be a collection of {noun}, got the bare string {value!r}; "
                         f"write ({value!r},)")
     try:
         names = tuple(value)
     except TypeError:
-        raise TypeError(f"{what} must be a tuple of names, got {type(value).__name__}") from None
+        raise TypeError(f"{what} must be a collection of {noun}, got "
+                        f"{type(value).__name__}") from None
     for name in names:
         if not isinstance(name, str) or not name:
-            raise TypeError(f"{what} must hold non-empty strings, got {name!r}")
+            raise TypeError(f"{what} must hold non-empty {noun}, got {name!r}")
     return names
 
 
@@ -51,8 +53,8 @@ class OpNode:
     def __post_init__(self):
         if not isinstance(self.op_type, str) or not self.op_type:
             raise TypeError(f"op_type must be a non-empty string, got {self.op_type!r}")
-        object.__setattr__(self, "inputs", _as_names(self.inputs, f"{self.op_type}: inputs"))
-        object.__setattr__(self, "outputs", _as_names(self.outputs, f"{self.op_type}: outputs"))
+        object.__setattr__(self, "inputs", as_names(self.inputs, f"{self.op_type}: inputs"))
+        object.__setattr__(self, "outputs", as_names(self.outputs, f"{self.op_type}: outputs"))
         attrs = self.attrs
         items = attrs.items() if isinstance(attrs, Mapping) else attrs
         frozen = tuple(sorted((str(k), _freeze_attr(k, v)) for k, v in items))
@@ -97,8 +99,8 @@ class SubGraph:
             if not isinstance(node, OpNode):
                 raise TypeError(f"SubGraph nodes must be OpNode, got {type(node).__name__}")
         object.__setattr__(self, "nodes", nodes)
-        object.__setattr__(self, "input_names", _as_names(self.input_names, "input_names"))
-        object.__setattr__(self, "output_names", _as_names(self.output_names, "output_names"))
+        object.__setattr__(self, "input_names", as_names(self.input_names, "input_names"))
+        object.__setattr__(self, "output_names", as_names(self.output_names, "output_names"))
         self._validate()
 
     def _validate(self):

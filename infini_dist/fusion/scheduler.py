@@ -25,7 +25,7 @@ from infini_dist.config import FLAGS, Settings
 from infini_dist.scheduler import choices, engine
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.control import ControlPlaneError, control_plane
-from infini_dist.scheduler.ir import SubGraph, is_anchor
+from infini_dist.scheduler.ir import SubGraph, as_names, is_anchor
 
 log = logging.getLogger("infini_dist")
 
@@ -54,17 +54,7 @@ def _check_count(minimum: int):
 def _check_whitelist(name: str, value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
-    if isinstance(value, str):
-        raise TypeError(f"FusionConfig.{name} must be a collection of op names, got the bare "
-                        f"string {value!r}; write ({value!r},)")
-    try:
-        names = tuple(value)
-    except TypeError:
-        raise TypeError(f"FusionConfig.{name} must be None or a collection of op names, got "
-                        f"{type(value).__name__}") from None
-    for op in names:
-        if not isinstance(op, str) or not op:
-            raise TypeError(f"FusionConfig.{name} must hold non-empty op names, got {op!r}")
+    names = as_names(value, f"FusionConfig.{name}", noun="op names")
     known = set(op_registry.registered_ops())
     unknown = sorted(set(names) - known)
     if unknown:
