@@ -33,6 +33,7 @@ import infini_dist
 from infini_dist.scheduler.choices import RunContext, TensorMeta, generate_choices, run_nodes
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.launch import shutdown
 
 EPS = 1e-6
 SCALE = 0.5
@@ -324,7 +325,7 @@ def main(argv=None):
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         plotted = plot(rows, patterns, os.path.join(args.out, "latency.png"))
         print(f"\nwrote {args.out}/results.json" + (" and latency.png" if plotted else ""))
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from infini_dist.launch import shutdown
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_shapes, make_inputs
 
 VARIANTS = ("inductor", "infini_dist", "eager")
@@ -444,7 +445,7 @@ def main(argv=None) -> int:
         print(f"\nwrote {args.out}/results.json" + (" and latency.png" if plotted else "") +
               f"; {meta['wall_s']:.0f}s in all")
         print("\n".join(lines), flush=True)
-    dist.destroy_process_group()
+    shutdown()
     return 1 if verdict["check_failures"] else 0
 
 

@@ -18,6 +18,7 @@ import infini_dist
 from infini_dist.scheduler.cache import DECISIONS
 from infini_dist.scheduler.engine import GraphExecutor
 from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.launch import shutdown
 
 
 def site_graph() -> SubGraph:
@@ -74,7 +75,7 @@ def main(argv=None):
         print(f"{'threads':>8} {'choices':>8} {'precompile s':>13} {'tuning s':>9}")
         for threads, precompile, tuning, candidates in rows:
             print(f"{threads:>8} {candidates:>8} {precompile:>13.3f} {tuning:>9.3f}")
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

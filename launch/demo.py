@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import infini_dist
+from infini_dist.launch import shutdown
 from infini_dist.scheduler.cache import DECISIONS
 
 
@@ -161,7 +162,7 @@ def main(argv=None):
         print(f"world size {world}, {device.type}, {dtype}, tokens {args.tokens}, hidden "
               f"{args.hidden}: block output max error vs unfused {error:.3e} "
               f"({relative:.1e} of the largest value)")
-    dist.destroy_process_group()
+    shutdown()
     # bf16: a couple of roundings at the largest magnitude; fp32: far below that
     if relative > (2e-2 if dtype == torch.bfloat16 else 1e-5):
         raise SystemExit(f"demo: fused output differs from the unfused reference by {error} "

@@ -101,6 +101,16 @@ def control_plane(group, timeout_s: float) -> ControlPlane:
 
 
 def reset_control_planes() -> None:
-    """Forget cached gloo groups (call after destroy_process_group)."""
+    """Destroy the gloo groups the control planes made and forget them.
+
+    Call on every rank before `destroy_process_group()`: groups left for interpreter teardown
+    can abort the process while gloo's threads are still connected to peers."""
     with _LOCK:
+        planes = list(_PLANES.values())
         _PLANES.clear()
+    if dist.is_initialized():
+        for plane in planes:
+            try:
+                dist.destroy_process_group(plane.group)
+            except (ValueError, RuntimeError):
+                pass  # already destroyed with everything else

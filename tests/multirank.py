@@ -45,6 +45,8 @@ def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env, backend
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
     finally:
         try:
+            from infini_dist.scheduler.control import reset_control_planes
+            reset_control_planes()
             dist.destroy_process_group()
         except Exception:
             pass

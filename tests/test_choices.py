@@ -109,3 +109,14 @@ def test_every_choice_computes_the_same_values():
                 torch.testing.assert_close(out[name], env[name], msg=choice.name)
     finally:
         dist.all_reduce = original
+
+
+def test_pick_takes_the_fastest_and_needs_the_threshold_for_fusion():
+    from infini_dist.scheduler.benchmark import pick
+    times = {"unfused": 10.0, "algo_b[p0,e1]": 9.5, "algo_a[p0,e1]": 9.5, "algo[p0,e0]": 9.8}
+    unfused = {"unfused", "algo[p0,e0]"}
+    assert pick(times, unfused, 1.0) == "algo_a[p0,e1]"  # a tie goes to the smaller name
+    # 9.8 / 9.5 < 1.05: the fused choice does not beat the best unfused one by enough
+    assert pick(times, unfused, 1.05) == "algo[p0,e0]"
+    assert pick({"unfused": 3.0, "x[p0,e1]": 1.0}, {"unfused"}, 2.5) == "x[p0,e1]"
+    assert pick({"unfused": 3.0, "x[p0,e1]": 1.0}, {"unfused"}, 3.5) == "unfused"

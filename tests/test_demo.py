@@ -4,7 +4,8 @@ import sys
 
 
 def run_demo(cache_dir, *extra):
-    env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache_dir), INFINI_DIST_BENCHMARK_REPS="3")
+    env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache_dir), INFINI_DIST_BENCHMARK_REPS="3",
+               TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"))
     return subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "demo", "--nproc", "2",
                            *extra], env=env, capture_output=True, text=True, timeout=300)
 
@@ -25,3 +26,12 @@ def test_demo_tunes_then_hits_the_cache(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "site all_reduce_add_rms_norm  (from the cache)" in second.stdout
     assert "nothing was tuned" in second.stdout
+
+
+def test_demo_compile_runs_the_block_through_the_pass(tmp_path):
+    done = run_demo(tmp_path, "--compile", "--layers", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "site all_reduce+add_rms_norm  (tuned)" in done.stdout
+    assert "site all_reduce+relu+scale  (tuned)" in done.stdout
+    relative = float(done.stdout.rsplit("(", 1)[1].split()[0])
+    assert relative < 1e-5
