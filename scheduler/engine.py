@@ -315,12 +315,12 @@ class GraphExecutor:
         if missing:
             raise ValueError(f"missing graph inputs: {missing}")
         env = dict(inputs)
-        ctx = None
+        # Loose nodes are never collectives (every collective is a site), so they need only
+        # the group for their references' signature, not the rank or device.
+        loose = RunContext(group, 1, 0, torch.device("cpu"))
         for kind, item in self.plan:
             if kind == "node":
-                if ctx is None:
-                    ctx = RunContext(group, 1, 0, torch.device("cpu"))
-                run_nodes(self.graph, (item,), env, ctx)
+                run_nodes(self.graph, (item,), env, loose)
             else:
                 env.update(item.run(env, group))
         return {name: env[name] for name in self.graph.output_names}
