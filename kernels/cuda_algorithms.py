@@ -15,6 +15,9 @@ _BACKENDS = (
     ("infini_dist.kernels.nccl_epilogue", "NcclEpilogueAlgorithm"),
     ("infini_dist.kernels.symm_algorithms", "OneShotAllReduce"),
     ("infini_dist.kernels.symm_algorithms", "TwoShotAllReduce"),
+    ("infini_dist.kernels.symm_algorithms", "LamportOneShotAllReduce"),
+    ("infini_dist.kernels.symm_algorithms", "LamportTwoShotAllReduce"),
+    ("infini_dist.kernels.symm_algorithms", "PolledGatherTwoShotAllReduce"),
 )
 
 for module_name, class_name in _BACKENDS:

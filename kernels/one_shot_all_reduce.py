@@ -7,9 +7,11 @@ Unfused torch equivalent:
 Every rank pushes its (prologue-applied) input into slot `rank` of every peer's buffer, signals,
 waits for all peers, then sums the slots of its own buffer in rank order 0..W-1 in fp32: each rank
 adds the same numbers in the same order, so all ranks get bitwise identical results. Remote
-traffic is stores only, and one barrier per call suffices: the buffer has two halves used on
-alternate calls (parity of a per-buffer call counter kept on the device), and the barrier of
-call n+1 proves that every peer finished call n, so the half written by call n+2 is free.
+traffic is stores only, and one barrier per call suffices: the buffer has two halves at fixed
+offsets, used on alternate calls (parity of a per-buffer call counter kept on the device), and
+the barrier of call n+1 proves that every peer finished call n, so the half written by call n+2 is
+free. The halves sit at the same place for every shape: a peer one call ahead writes the other
+half even when its call has another shape.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from infini_dist.kernels.symm_signal import (SPIN_TIMEOUT_NS, block_barrier, pee
 def one_shot_all_reduce_kernel(
         x_ptr, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,
         data_table, signal_table, epoch_ptr,
-        numel, slot_stride, rank, timeout_ns,
+        numel, slot_stride, half_stride, rank, timeout_ns,
         p_scalar0, p_side0, p_scalar1, p_side1, p_scalar2, p_side2,
         e_scalar0, e_side0, e_scalar1, e_side1, e_scalar2, e_side2,
         P_OP0: tl.constexpr, P_OP1: tl.constexpr, P_OP2: tl.constexpr,
@@ -43,7 +45,7 @@ def one_shot_all_reduce_kernel(
     dtype = x_ptr.dtype.element_ty
     column = tl.arange(0, BLOCK)
     calls = tl.load(epoch_ptr + pid)
-    half = (calls % 2).to(tl.int64) * WORLD_SIZE * slot_stride
+    half = (calls % 2).to(tl.int64) * half_stride
     mine = half + rank * slot_stride
 
     for item in range(first_item, items, programs):
@@ -78,13 +80,21 @@ def one_shot_all_reduce_kernel(
     tl.store(epoch_ptr + slots, calls + 1, mask=(slots % programs) == pid)
 
 
-def one_shot_bytes(numel: int, element_size: int, world_size: int) -> int:
-    """Data bytes one call needs: two halves of `world_size` slots."""
-    return 2 * world_size * _slot_elements(numel) * element_size
+def one_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
+                   norm: int = 0) -> int:
+    """Data bytes one call needs: two halves of `world_size` slots (rows do not matter)."""
+    return 2 * world_size * slot_elements(numel) * element_size
 
 
-def _slot_elements(numel: int) -> int:
+def slot_elements(numel: int) -> int:
     return triton.cdiv(numel, 64) * 64  # keeps every slot 128-byte aligned
+
+
+def half_elements(buffer, element_size: int) -> int:
+    """Where the second half starts: the middle of the buffer whatever the shape. (Halves sized
+    by the shape would overlap across a shape change: a peer one call ahead, writing the other
+    half of a bigger call, would land in the half this call is reading.)"""
+    return buffer.data_bytes // element_size // 2 // 64 * 64
 
 
 def one_shot_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
@@ -95,7 +105,8 @@ def one_shot_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     args = (x, out, x if pre is None else pre, x if weight is None else weight,
             x if residual is None else residual, float(eps),
             buffer.data_table, buffer.signal_table, buffer.epoch,
-            x.numel(), _slot_elements(x.numel()), buffer.rank, SPIN_TIMEOUT_NS)
+            x.numel(), slot_elements(x.numel()), half_elements(buffer, x.element_size()),
+            buffer.rank, SPIN_TIMEOUT_NS)
     kwargs = dict(
         **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
         NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,

@@ -7,7 +7,8 @@ Each allocation is laid out as
     [ flags: MAX_PROGRAMS x world_size int32 | call counters: MAX_PROGRAMS int32 | pad | data ]
 
 The flags and counters are zeroed before the rendezvous, which is collective: once it returns on
-any rank, every rank has zeroed its own.
+any rank, every rank has zeroed its own. Buffers of the Lamport kinds (`lamport_width` = 16 or
+32) also get every data element set to the empty pattern (-0.0 of that width) before it.
 
 Allocation is collective and blocks the host, so it must happen on every rank in the same order
 and never inside a CUDA-graph capture (allocating during capture silently corrupts memory). The
@@ -72,7 +73,17 @@ def _group_name(group) -> str:
     return (group or dist.group.WORLD).group_name
 
 
-def allocate(group, device: torch.device, data_bytes: int) -> SymmBuffer:
+EMPTY_PATTERN = {16: (torch.int16, -(1 << 15)), 32: (torch.int32, -(1 << 31))}
+
+
+def fill_empty(storage: torch.Tensor, world_size: int, lamport_width: int) -> None:
+    """Set every data element of `storage` (a whole buffer, header first) to the Lamport empty
+    pattern of `lamport_width` bits."""
+    dtype, bits = EMPTY_PATTERN[lamport_width]
+    storage[header_bytes(world_size):].view(dtype).fill_(bits)
+
+
+def allocate(group, device: torch.device, data_bytes: int, lamport_width: int = 0) -> SymmBuffer:
     """Collective over `group`: allocate and rendezvous one buffer with `data_bytes` of data."""
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -85,6 +96,8 @@ def allocate(group, device: torch.device, data_bytes: int) -> SymmBuffer:
     with torch.cuda.device(device):
         storage = symm_mem.empty(header + data_bytes, dtype=torch.uint8, device=device)
         storage[:header].zero_()
+        if lamport_width:
+            fill_empty(storage, world_size, lamport_width)
         torch.cuda.synchronize(device)
         handle = symm_mem.rendezvous(storage, _group_name(group))
         if handle.rank != rank or handle.world_size != world_size:
@@ -108,31 +121,34 @@ def size_class(data_bytes: int) -> int:
     return max(MIN_CLASS_BYTES, 1 << (max(1, data_bytes) - 1).bit_length())
 
 
-def get_buffer(group, device: torch.device, kind: str, data_bytes: int) -> SymmBuffer:
+def get_buffer(group, device: torch.device, kind: str, data_bytes: int,
+               lamport_width: int = 0) -> SymmBuffer:
     """The smallest cached buffer of this (group, device, kind) that holds `data_bytes`, else a
     new one of the next size class. Every rank holds the same buffers after the same calls, so
-    every rank picks the same one."""
-    key = (_group_name(group), torch.device(device), kind)
+    every rank picks the same one. Lamport buffers of different widths never mix (the empty
+    pattern differs), so the width is part of the key."""
+    key = (_group_name(group), torch.device(device), kind, lamport_width)
     with _LOCK:
         for buffer in _BUFFERS.get(key, ()):
             if buffer.data_bytes >= data_bytes:
                 return buffer
-        buffer = allocate(group, torch.device(device), size_class(data_bytes))
+        buffer = allocate(group, torch.device(device), size_class(data_bytes), lamport_width)
         _BUFFERS.setdefault(key, []).append(buffer)
         _BUFFERS[key].sort(key=lambda b: b.data_bytes)
         return buffer
 
 
 def cached_buffers() -> dict:
-    """(group name, device, kind) -> data sizes in bytes; for tests and reports."""
+    """(group name, device, kind, lamport width) -> data sizes in bytes; for tests and reports."""
     with _LOCK:
         return {key: [b.data_bytes for b in buffers] for key, buffers in _BUFFERS.items()}
 
 
 def local_scratch(world_size: int, rank: int, data_bytes: int, device) -> SymmBuffer:
     """A buffer whose every 'peer' is this rank's own scratch memory, with flags pre-raised so
-    that no barrier waits: one launch on it compiles and runs a kernel with no cross-rank
-    traffic (the compile step's warm-up). Its data come out meaningless."""
+    that no barrier waits, and zeroed data so that no Lamport poll waits: one launch on it
+    compiles and runs a kernel with no cross-rank traffic (the compile step's warm-up). Its data
+    come out meaningless."""
     header = header_bytes(world_size)
     storage = torch.zeros(header + data_bytes, dtype=torch.uint8, device=device)
     storage[:MAX_PROGRAMS * world_size * 4].view(torch.int32).fill_(1 << 30)  # any barrier count

@@ -130,7 +130,8 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, residual_p
                 E_OP2: tl.constexpr, e_scalar2, e_side2,
                 NORM: tl.constexpr, WRITE_PRE: tl.constexpr, ROW_LEN: tl.constexpr):
     """Epilogue of one item (a row when NORM != NO_NORM) from its reduced value `y` (fp32, already
-    rounded to the output dtype like the all_reduce output), then its stores."""
+    rounded to the output dtype like the all_reduce output), then its stores. `y` may also be a
+    [group, row] tile of several items; `column` then is [1, row]."""
     y = apply_chain(y, index, mask, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
                     E_OP2, e_scalar2, e_side2, out_ptr.dtype.element_ty)
     if NORM == NO_NORM:
@@ -141,7 +142,7 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, residual_p
         if WRITE_PRE:
             tl.store(pre_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
         y = tl.where(mask, y, 0.0)
-        inverse = tl.math.rsqrt(tl.sum(y * y, axis=0) / ROW_LEN + eps)
+        inverse = tl.math.rsqrt(tl.sum(y * y, axis=-1, keep_dims=True) / ROW_LEN + eps)
         weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + index, (y * inverse * weight).to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -72,3 +72,49 @@ def block_barrier(signal_table, rank, slot, timeout_ns, WORLD_SIZE: tl.constexpr
 
 def world_size_pow2(world_size: int) -> int:
     return max(2, triton.next_power_of_2(world_size))
+
+
+# ---- Lamport signalling: the data is its own flag ------------------------------------------------
+#
+# A place in a Lamport buffer is empty when it holds the bits of -0.0 (all ranks agree on that
+# pattern per element width). Writers turn -0.0 into +0.0 before they store, so a stored value
+# never reads as empty; the reader polls the places it needs until none is empty, uses the values
+# it polled, and writes the places back to empty for a later call. No flag, fence or barrier is
+# on the path: a 2-byte or 4-byte element is either the old pattern or the new value.
+
+
+@triton.jit
+def is_empty(values):
+    if values.dtype.primitive_bitwidth == 16:
+        return values.to(tl.uint16, bitcast=True) == 0x8000
+    else:
+        return values.to(tl.uint32, bitcast=True) == 0x80000000
+
+
+@triton.jit
+def never_empty(values):
+    """`values` (already in the stored dtype) with -0.0 replaced by +0.0."""
+    return tl.where(values == 0, 0.0, values.to(tl.float32)).to(values.dtype)
+
+
+@triton.jit
+def empty_like(values):
+    if values.dtype.primitive_bitwidth == 16:
+        return tl.full(values.shape, 0x8000, tl.uint16).to(values.dtype, bitcast=True)
+    else:
+        return tl.full(values.shape, 0x80000000, tl.uint32).to(values.dtype, bitcast=True)
+
+
+@triton.jit
+def poll(places, present, timeout_ns, anchor, ON_GPU: tl.constexpr):
+    """Loads `places` (where `present`) until none of them is empty; returns what it loaded.
+    The reduction over the whole tile is CTA-wide, so every warp leaves the loop together."""
+    values = tl.load(places, mask=present, other=0.0, volatile=True)
+    if ON_GPU:
+        started = _globaltimer(anchor)
+    while tl.max(is_empty(values).to(tl.int32)) > 0:
+        if ON_GPU:
+            if _globaltimer(anchor) - started > timeout_ns:
+                _trap(anchor)
+        values = tl.load(places, mask=present, other=0.0, volatile=True)
+    return values

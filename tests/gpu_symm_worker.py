@@ -24,7 +24,9 @@ from symm_cases import (PATTERNS, build, digest, full_span, make_inputs, max_err
                         meta_of, reference)
 
 from infini_dist.kernels import symm_buffers  # noqa: E402
-from infini_dist.kernels.symm_algorithms import OneShotAllReduce, TwoShotAllReduce  # noqa: E402
+from infini_dist.kernels.symm_algorithms import (LamportOneShotAllReduce,  # noqa: E402
+                                                 LamportTwoShotAllReduce, OneShotAllReduce,
+                                                 PolledGatherTwoShotAllReduce, TwoShotAllReduce)
 from infini_dist.scheduler.choices import RunContext  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 4e-3}
@@ -130,7 +132,8 @@ def main():
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
     ctx = RunContext(None, dist.get_world_size(), dist.get_rank(), torch.device("cuda", rank))
-    algorithms = (OneShotAllReduce(), TwoShotAllReduce())
+    algorithms = (OneShotAllReduce(), TwoShotAllReduce(), LamportOneShotAllReduce(),
+                  LamportTwoShotAllReduce(), PolledGatherTwoShotAllReduce())
     shapes = [(1, 4096), (7, 4096), (3, 4095)] if args.quick else \
         [(1, 4096), (7, 4096), (128, 4096), (3, 4095), (5, 200), (1000, 1024)]
     for algorithm in algorithms:
@@ -145,6 +148,8 @@ def main():
             check_graph_replay(algorithm, pattern, (16, 4096), torch.bfloat16, ctx)
         check_mixed_grids(algorithm, ctx)
     check_eager(TwoShotAllReduce(), "add_rms_norm", (8192, 4096), torch.bfloat16, ctx)
+    check_eager(LamportTwoShotAllReduce(), "add_rms_norm", (1024, 4096), torch.bfloat16, ctx)
+    check_eager(PolledGatherTwoShotAllReduce(), "add_rms_norm", (8192, 4096), torch.bfloat16, ctx)
     check_engine(ctx)
     # Last, since a failure traps the process: two-shot in rounds (phase 3 of a round beside
     # phase 2 of the next), rows and chunks.

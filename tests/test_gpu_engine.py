@@ -13,7 +13,8 @@ import torch
 
 from multirank import run_ranks
 
-GPU_ALGORITHMS = ("one_shot", "two_shot", "nccl+nt_epilogue")
+GPU_ALGORITHMS = ("one_shot", "two_shot", "one_shot_lamport", "two_shot_lamport",
+                  "nccl+nt_epilogue")
 
 
 def gpus():
@@ -136,7 +137,8 @@ def check_results(results, world_size):
     assert decisions == results[-1]["decisions"]
     candidates = {c for _, _, cands in decisions for c in cands}
     for algorithm in GPU_ALGORITHMS:
-        assert any(c.startswith(algorithm) or f"+{algorithm}" in c for c in candidates), (
+        assert any(c.startswith(algorithm + "[") or f"+{algorithm}" in c
+                   for c in candidates), (
             algorithm, sorted(candidates))
     for r in results:
         assert r["replay"]["worst"] < tol

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from infini_dist.kernels import symm_chain
-from infini_dist.kernels.symm_algorithms import (OneShotAllReduce, TwoShotAllReduce, plan_span)
+from infini_dist.kernels.symm_algorithms import (LamportOneShotAllReduce, LamportTwoShotAllReduce,
+                                                 OneShotAllReduce, PolledGatherTwoShotAllReduce,
+                                                 TwoShotAllReduce, plan_span)
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 from multirank import run_ranks
@@ -140,32 +142,59 @@ def test_layout_is_shape_only_and_fits(world_size):
 
 # ---- the kernels, interpreted on CPU ranks ------------------------------------------------------
 
+ALGORITHMS = {a.name: a for a in (OneShotAllReduce(), TwoShotAllReduce(),
+                                  LamportOneShotAllReduce(), LamportTwoShotAllReduce(),
+                                  PolledGatherTwoShotAllReduce())}
+KINDS = tuple(ALGORITHMS)
+
+
+def _storage_key(kind, dtype):
+    return kind, dtype.itemsize * 8 if ALGORITHMS[kind].lamport else 0
+
+
 def interpreted_rank(rank, world_size, storages, cases):
-    """One rank: every case twice (the second call lands in the other one-shot half)."""
-    from infini_dist.kernels.symm_buffers import from_peer_tensors
-    algorithms = {"one_shot": OneShotAllReduce(), "two_shot": TwoShotAllReduce()}
+    """One rank: every case twice (the second call lands in the other half). Cases follow each
+    other on one buffer per kind, so shape changes are covered. A Lamport buffer must be empty
+    again once every rank has finished a call: readers empty all they read."""
+    import torch.distributed as dist
+
+    from infini_dist.kernels.symm_buffers import EMPTY_PATTERN, from_peer_tensors, header_bytes
     ctx = RunContext(None, world_size, rank, torch.device("cuda"))
     results = []
     for kind, pattern, shape, dtype in cases:
-        algorithm = algorithms[kind]
+        algorithm = ALGORITHMS[kind]
         graph = build(pattern)
         plan = plan_span(full_span(graph), meta_of(graph, shape, dtype), ctx)
-        buffer = from_peer_tensors(storages[kind], rank)
+        key = _storage_key(kind, dtype)
+        buffer = from_peer_tensors(storages[key], rank)
         assert algorithm.data_bytes(plan, world_size) <= buffer.data_bytes
         for call in range(2):
             inputs = [make_inputs(graph, shape, dtype, r, call) for r in range(world_size)]
             got = algorithm.launch(plan, inputs[rank], buffer)
             error = max_error(got, reference(graph, inputs, rank))
+            if kind in ("one_shot_lamport", "two_shot_lamport"):  # every place is polled
+                dist.barrier()
+                word, bits = EMPTY_PATTERN[key[1]]
+                data = storages[key][rank][header_bytes(world_size):].view(word)
+                left = int((data != bits).sum())
+                error = max(error, float(left))  # a place left full fails the tolerance
+                dist.barrier()
             results.append(((kind, pattern, shape, str(dtype), call), error, digest(got)))
     return results
 
 
 def _run_interpreted(monkeypatch, world_size, cases, data_bytes=1 << 18):
-    from infini_dist.kernels.symm_buffers import header_bytes
+    from infini_dist.kernels.symm_buffers import fill_empty, header_bytes
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # spawned ranks inherit it before importing triton
-    storages = {kind: [torch.zeros(header_bytes(world_size) + data_bytes,
-                                   dtype=torch.uint8).share_memory_()
-                       for _ in range(world_size)] for kind in ("one_shot", "two_shot")}
+    storages = {}
+    for kind, _, _, dtype in cases:
+        key = _storage_key(kind, dtype)
+        if key not in storages:
+            storages[key] = [torch.zeros(header_bytes(world_size) + data_bytes,
+                                         dtype=torch.uint8).share_memory_()
+                             for _ in range(world_size)]
+            for storage in storages[key] if key[1] else ():
+                fill_empty(storage, world_size, key[1])
     per_rank = run_ranks(interpreted_rank, world_size, storages, cases, timeout=600,
                          env={"TRITON_INTERPRET": "1"})
     assert all(isinstance(r, list) for r in per_rank), repr(per_rank)[:2000]
@@ -178,18 +207,31 @@ def _run_interpreted(monkeypatch, world_size, cases, data_bytes=1 << 18):
         assert len({bits for _, _, bits in results}) == 1, f"{case}: ranks differ"
 
 
-def test_kernels_interpreted_three_ranks(monkeypatch):
+@pytest.mark.parametrize("kinds", [("one_shot", "two_shot"),
+                                   ("one_shot_lamport", "two_shot_lamport"),
+                                   ("two_shot_polled_gather",)],
+                         ids=["barrier", "lamport", "polled_gather"])
+def test_kernels_interpreted_three_ranks(monkeypatch, kinds):
     f32, bf16 = torch.float32, torch.bfloat16
     cases = []
-    for kind in ("one_shot", "two_shot"):
+    for kind in kinds:
         for pattern in PATTERNS:
             cases.append((kind, pattern, (3, 40), f32))
         cases += [(kind, "add_rms_norm", (5, 37), f32),   # row not a multiple of the vector
                   (kind, "add_rms_norm", (130, 8), f32),  # more rows than programs
                   (kind, "relu_scale", (3, 333), f32),    # numel not a multiple of anything
                   (kind, "plain", (2, 4100), f32),        # several chunks
-                  (kind, "add_rms_norm", (2, 64), bf16)]
+                  (kind, "add_rms_norm", (2, 64), bf16),
+                  (kind, "swiglu", (3, 40), torch.float16)]
     _run_interpreted(monkeypatch, 3, cases)
+
+
+def test_kernels_interpreted_eight_ranks(monkeypatch):
+    # Tensor parallelism usually runs at 8: every kernel at W = 8 (a bf16 and an fp32 buffer).
+    cases = [(kind, pattern, shape, dtype) for kind in KINDS
+             for pattern, shape, dtype in (("add_rms_norm", (3, 40), torch.float32),
+                                           ("relu_scale", (2, 24), torch.bfloat16))]
+    _run_interpreted(monkeypatch, 8, cases, data_bytes=1 << 16)
 
 
 def test_kernels_interpreted_two_ranks_in_rounds(monkeypatch):
@@ -199,6 +241,18 @@ def test_kernels_interpreted_two_ranks_in_rounds(monkeypatch):
     cases = [(kind, pattern, (3, 48), torch.float32) for kind in ("two_shot", "one_shot")
              for pattern in ("plain", "add_then_rms_norm", "swiglu_up")]
     cases.append(("two_shot", "add_rms_norm", (300, 8), torch.float32))
+    _run_interpreted(monkeypatch, 2, cases)
+
+
+def test_two_shot_interpreted_in_groups_and_rounds(monkeypatch):
+    # Items move in groups of 4 (some groups cut short by the end of a round or of the tensor),
+    # in rounds of 3 items per program.
+    monkeypatch.setenv("INFINI_DIST_SYMM_GROUP_ITEMS", "4")
+    monkeypatch.setenv("INFINI_DIST_SYMM_ROUND_ITEMS", "3")
+    cases = [(kind, pattern, shape, torch.float32)
+             for kind in ("two_shot", "two_shot_polled_gather")
+             for pattern, shape in (("add_rms_norm", (300, 8)), ("prologue_gelu", (2, 4100)),
+                                    ("add_then_rms_norm", (5, 37)))]
     _run_interpreted(monkeypatch, 2, cases)
 
 
