@@ -12,9 +12,9 @@ Two halves:
   argument list: tensors by address, everything else by value), take over after the first call,
   and give the call back to the normal path whenever Triton would pick another kernel
   (unaligned or other-dtype tensors, another device) or the feature is missing or switched off.
-  The same child measures the host cost per call with the launch stubbed out.
 
-`python tests/test_launch_fast_path.py` prints those host costs.
+`python tests/test_launch_fast_path.py` prints the host cost per call with the launch stubbed
+out (a measurement, not a test: timings under CI load prove nothing).
 """
 
 from __future__ import annotations
@@ -434,13 +434,6 @@ def test_symm_fast_path_hands_the_launcher_what_the_normal_path_does(stub):
 
 def test_chain_fast_path_hands_the_launcher_what_the_normal_path_does(stub):
     _assert_checks(stub.submit(_stub_chain_checks).result(timeout=300))
-
-
-def test_fast_path_costs_less_host_time(tmp_path):
-    with _stub_pool(str(tmp_path / "home"), record=False) as pool:
-        costs = pool.submit(_stub_host_costs).result(timeout=300)
-    for what, (normal, fast) in costs.items():
-        assert fast * 2 < normal, (what, normal, fast)  # measured ~8x here: a loose bound
 
 
 if __name__ == "__main__":
