@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -188,8 +189,19 @@ class SiteRunner:
             except Exception as error:  # any failure just removes the choice
                 return f"{type(error).__name__}: {error}"
         threads = min(self.settings.max_autotune_threads, max(1, len(choices)))
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            threads = 1  # the interpreter patches triton.language while a kernel runs
         with ThreadPoolExecutor(max_workers=threads) as pool:
             errors = dict(zip([c.name for c in choices], pool.map(precompile, choices)))
+        if threads > 1:
+            # A failure beside other compiles gets one more try alone: not every library's
+            # compile step is thread-safe, and a race must not cost the site a choice.
+            for choice in choices:
+                if errors[choice.name] is not None:
+                    first, errors[choice.name] = errors[choice.name], precompile(choice)
+                    if errors[choice.name] is None:
+                        log.warning("infini_dist: %s failed to compile beside other choices "
+                                    "(%s) and compiled alone", choice.name, first)
         return self._agree_failures(choices, errors, plane, step)
 
     def _agree_failures(self, choices, errors: dict, plane, step) -> list[Choice]:

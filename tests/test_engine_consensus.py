@@ -126,6 +126,57 @@ def test_a_failure_on_one_rank_drops_the_choice_everywhere():
     assert "unfused" in cands0 and any(n.startswith("torch_fused") for n in cands0)
 
 
+class _RacyAlgorithm:
+    """Its compile fails while another compile of the same kind runs beside it, as a library
+    with a thread-unsafe compile step would."""
+
+    def __init__(self, name, state):
+        from infini_dist.scheduler.torch_fused import TorchFusedAllReduce
+        self.inner, self.name, self.state = TorchFusedAllReduce(), name, state
+
+    def supports(self, span, meta, ctx):
+        return self.inner.supports(span, meta, ctx)
+
+    def compile(self, span, meta, ctx):
+        import time
+        with self.state["lock"]:
+            self.state["running"] += 1
+            self.state["calls"] += 1
+        try:
+            time.sleep(0.2)  # long enough that the pool's other threads overlap it
+            with self.state["lock"]:
+                if self.state["running"] > 1:
+                    raise RuntimeError("compiled beside another one")
+        finally:
+            with self.state["lock"]:
+                self.state["running"] -= 1
+        return self.inner.compile(span, meta, ctx)
+
+
+def racy_compiles(rank, world_size):
+    import threading
+
+    import infini_dist
+    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.choices import register_algorithm
+    state = {"lock": threading.Lock(), "running": 0, "calls": 0}
+    for name in ("racy_a", "racy_b", "racy_c"):
+        register_algorithm("all_reduce", "cpu", _RacyAlgorithm(name, state))
+    with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1, max_autotune_threads=4):
+        executor = engine.executor_for(ar_block_graph())
+        executor.run(inputs_for(rank))
+    return executor.site_runners()[0].last_tuning["candidates"], state["calls"]
+
+
+def test_a_choice_that_fails_only_beside_others_survives():
+    for candidates, calls in run_ranks(racy_compiles, 2, timeout=180):
+        racy = [c for c in candidates if c.startswith("racy")]
+        # Every depth of all three algorithms is a candidate, after a lone retry of those
+        # that failed in the pool (more compile calls than choices).
+        assert {c.split("[")[0] for c in racy} == {"racy_a", "racy_b", "racy_c"}, candidates
+        assert calls > len(racy), (calls, racy)
+
+
 def absent_peer(rank, world_size):
     import infini_dist
     from infini_dist.scheduler.control import ControlPlaneError
