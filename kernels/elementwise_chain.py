@@ -27,7 +27,7 @@ from infini_dist.kernels.relu import relu_fp32
 from infini_dist.kernels.rms_norm import rms_normalize_fp32
 from infini_dist.kernels.rows import (arrangement, as_rows, broadcast_shape, check_dtypes,
                                       check_float_dtypes, elementwise_views, num_warps, output,
-                                      row_blocks)
+                                      row_blocks, tiled_premake)
 from infini_dist.kernels.sigmoid import sigmoid_fp32
 from infini_dist.kernels.silu import silu_fp32
 
@@ -93,7 +93,6 @@ def _application(chain: Chain, block_n: int | None):
 
 
 def premake(chain: Chain, block_m: int, block_n: int):
-    arrangement_ = functools.partial(arrangement, block_m=block_m, block_n=block_n)
     if chain.rowwise:
         tensors = ([Tensor(2 if kind == "row" else 1, other=0.0) for kind in chain.inputs]
                    + [Tensor(0)] + [Tensor(2) for _ in chain.outputs])
@@ -101,7 +100,7 @@ def premake(chain: Chain, block_m: int, block_n: int):
     else:
         tensors = [Tensor(2) for _ in chain.inputs] + [Tensor(2) for _ in chain.outputs]
         application = _application(chain, None)
-    return arrangement_, application, tuple(tensors)
+    return tiled_premake(arrangement, application, tuple(tensors), block_m, block_n)
 
 
 @functools.cache

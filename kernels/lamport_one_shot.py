@@ -21,11 +21,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.one_shot_all_reduce import half_elements, slot_elements
-from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, apply_chain, chain_arguments,
-                                            finish_item, launch_layout, round_to)
+from infini_dist.kernels.symm_buffers import part_elements, slot_elements
+from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, apply_chain, finish_item,
+                                            fused_arguments, round_to)
 from infini_dist.kernels.symm_signal import (SPIN_TIMEOUT_NS, empty_like, never_empty,
-                                             peer_pointer, poll, world_size_pow2)
+                                             peer_pointer, poll)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -80,21 +80,14 @@ def lamport_one_shot_kernel(
     tl.store(epoch_ptr + slots, calls + 1, mask=(slots % programs) == pid)
 
 
-def lamport_one_shot_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                            weight=None, residual=None, eps=1e-6, pre=None, row_len=None):
-    """The launch, as (kernel, grid, args, kwargs), like one_shot_all_reduce.one_shot_launch."""
-    world_size = buffer.world_size
-    layout = launch_layout(x.numel(), row_len, norm, world_size)
+def lamport_one_shot_launch(x, buffer, out, **options):
+    """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
+    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    args = head + (buffer.data_table, buffer.epoch, x.numel(), slot_elements(x.numel()),
+                   part_elements(buffer, x.element_size(), 2), buffer.rank, SPIN_TIMEOUT_NS)
     # The poll holds a [W, row] tile: past 4 ranks, twice the warps keep it near 64 elements a
     # thread (for rows up to 8192).
-    num_warps = layout.num_warps if world_size <= 4 else min(16, 2 * layout.num_warps)
-    args = (x, out, x if pre is None else pre, x if weight is None else weight,
-            x if residual is None else residual, float(eps), buffer.data_table, buffer.epoch,
-            x.numel(), slot_elements(x.numel()), half_elements(buffer, x.element_size()),
-            buffer.rank, SPIN_TIMEOUT_NS)
-    kwargs = dict(
-        **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
-        NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
-        MAX_PROGRAMS=MAX_PROGRAMS, WORLD_SIZE=world_size, WS_P2=world_size_pow2(world_size),
-        ON_GPU=x.is_cuda, num_warps=num_warps)
+    if buffer.world_size > 4:
+        kwargs["num_warps"] = min(16, 2 * layout.num_warps)
+    kwargs["MAX_PROGRAMS"] = MAX_PROGRAMS
     return lamport_one_shot_kernel, (layout.grid,), args, kwargs

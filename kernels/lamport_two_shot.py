@@ -21,11 +21,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.one_shot_all_reduce import half_elements, slot_elements
-from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, apply_chain, chain_arguments,
-                                            finish_item, launch_layout)
+from infini_dist.kernels.symm_buffers import part_elements, slot_elements
+from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, apply_chain, finish_item,
+                                            fused_arguments, launch_layout)
 from infini_dist.kernels.symm_signal import (SPIN_TIMEOUT_NS, empty_like, never_empty,
-                                             peer_pointer, poll, world_size_pow2)
+                                             peer_pointer, poll)
 from infini_dist.kernels.two_shot_all_reduce import staging_targets
 
 
@@ -108,18 +108,12 @@ def lamport_two_shot_bytes(numel: int, element_size: int, world_size: int, row_l
     return 2 * slot_elements(half) * element_size
 
 
-def lamport_two_shot_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                            weight=None, residual=None, eps=1e-6, pre=None, row_len=None):
-    """The launch, as (kernel, grid, args, kwargs), like two_shot_all_reduce.two_shot_launch."""
-    layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
-    args = (x, out, x if pre is None else pre, x if weight is None else weight,
-            x if residual is None else residual, float(eps), buffer.data_table, buffer.epoch,
-            x.numel(), half_elements(buffer, x.element_size()), buffer.rank, SPIN_TIMEOUT_NS)
-    kwargs = dict(
-        **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
-        NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
-        SUB=layout.sub, SUB_BLOCK=layout.sub_block, MAX_PROGRAMS=MAX_PROGRAMS,
-        WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
-        # Half the barrier kernel's warps: 11.8 vs 12.6 us at 128 x 4096 bf16 on 4 H200s.
-        ON_GPU=x.is_cuda, num_warps=max(4, layout.num_warps // 2))
+def lamport_two_shot_launch(x, buffer, out, **options):
+    """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
+    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    args = head + (buffer.data_table, buffer.epoch, x.numel(),
+                   part_elements(buffer, x.element_size(), 2), buffer.rank, SPIN_TIMEOUT_NS)
+    kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, MAX_PROGRAMS=MAX_PROGRAMS,
+                  # Half the barrier kernel's warps: 11.8 vs 12.6 us at 128 x 4096 bf16 on 4 H200s.
+                  num_warps=max(4, layout.num_warps // 2))
     return lamport_two_shot_kernel, (layout.grid,), args, kwargs

@@ -14,6 +14,7 @@ every rank runs the same kernel and gets bitwise the same result from the same r
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -61,9 +62,7 @@ def plan(span, meta) -> _Plan:
 
     anchor_meta = _meta(meta, reduced)
     shape = tuple(anchor_meta.shape)
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if not 0 < numel < INT32_LIMIT:
         raise UnsupportedChain(f"{numel} elements is outside (0, 2**31)")
     cols = shape[-1] if shape else 1

@@ -19,10 +19,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, apply_chain, chain_arguments,
-                                            finish_item, launch_layout, round_to)
-from infini_dist.kernels.symm_signal import (SPIN_TIMEOUT_NS, block_barrier, peer_pointer,
-                                             world_size_pow2)
+from infini_dist.kernels.symm_buffers import part_elements, slot_elements
+from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, apply_chain, finish_item,
+                                            fused_arguments, round_to)
+from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, block_barrier, peer_pointer
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -86,39 +86,12 @@ def one_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
     return 2 * world_size * slot_elements(numel) * element_size
 
 
-def slot_elements(numel: int) -> int:
-    return triton.cdiv(numel, 64) * 64  # keeps every slot 128-byte aligned
-
-
-def half_elements(buffer, element_size: int) -> int:
-    """Where the second half starts: the middle of the buffer whatever the shape. (Halves sized
-    by the shape would overlap across a shape change: a peer one call ahead, writing the other
-    half of a bigger call, would land in the half this call is reading.)"""
-    return buffer.data_bytes // element_size // 2 // 64 * 64
-
-
-def one_shot_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                    weight=None, residual=None, eps=1e-6, pre=None, row_len=None):
-    """The launch `one_shot_all_reduce` makes, as (kernel, grid, args, kwargs); kwargs holds
-    the launch options too. Reads of the tensors: x.numel() and x.is_cuda only."""
-    layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
-    args = (x, out, x if pre is None else pre, x if weight is None else weight,
-            x if residual is None else residual, float(eps),
-            buffer.data_table, buffer.signal_table, buffer.epoch,
-            x.numel(), slot_elements(x.numel()), half_elements(buffer, x.element_size()),
-            buffer.rank, SPIN_TIMEOUT_NS)
-    kwargs = dict(
-        **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
-        NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
-        MAX_PROGRAMS=MAX_PROGRAMS, WORLD_SIZE=buffer.world_size,
-        WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
+def one_shot_launch(x, buffer, out, **options):
+    """The launch, as (kernel, grid, args, kwargs) with the launch options in kwargs; options
+    as in symm_chain.fused_arguments."""
+    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    args = head + (buffer.data_table, buffer.signal_table, buffer.epoch, x.numel(),
+                   slot_elements(x.numel()), part_elements(buffer, x.element_size(), 2),
+                   buffer.rank, SPIN_TIMEOUT_NS)
+    kwargs["MAX_PROGRAMS"] = MAX_PROGRAMS
     return one_shot_all_reduce_kernel, (layout.grid,), args, kwargs
-
-
-def one_shot_all_reduce(x, buffer, out, **options):
-    """Launch on `buffer` (symm_buffers.SymmBuffer). `prologue` / `epilogue` are ChainOps whose
-    side tensors are looked up in `sides`; `norm` is a symm_chain norm code, with `weight` and
-    (ADD_RMS_NORM) `residual` over rows of `row_len`. Writes `out` and, if given, `pre` (the
-    value the norm normalises, i.e. the new residual). Options as in `one_shot_launch`."""
-    kernel, grid, args, kwargs = one_shot_launch(x, buffer, out, **options)
-    kernel[grid](*args, **kwargs)

@@ -23,6 +23,7 @@ A runner launches through `PreparedLaunch`: everything but the tensors is bound 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from infini_dist.kernels.nt_runtime import FastLaunch, fast_launch_enabled
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_launch
 from infini_dist.kernels.lamport_two_shot import lamport_two_shot_bytes, lamport_two_shot_launch
 from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes, one_shot_launch
+from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.symm_chain import (ADD_RMS_NORM, MAX_CHAIN, MAX_ROW, NO_NORM, RMS_NORM,
                                             encode_node)
 from infini_dist.kernels.two_shot_all_reduce import two_shot_bytes, two_shot_launch
@@ -40,7 +42,6 @@ from infini_dist.kernels.two_shot_polled_gather import (polled_gather_bytes,
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.choices import Algorithm
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ONE_SHOT_MAX_BYTES = 8 << 20   # past this every rank moving the whole tensor W times loses
 TWO_SHOT_MAX_BYTES = 1 << 30
 # A Lamport two-shot buffer holds four copies of the tensor (two halves of staging + gathered),
@@ -70,10 +71,7 @@ class SpanPlan:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def sides(self) -> tuple:

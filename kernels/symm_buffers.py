@@ -1,7 +1,8 @@
 """Symmetric buffers for our all-reduce kernels: allocated and rendezvoused once, then reused.
 
-One buffer per (group, device, kind, size class). A kind ('one_shot', 'two_shot') has its own
-buffers because the kernels' reuse arguments hold only between launches of the same protocol.
+One buffer per (group, device, kind, size class). A kind (an algorithm: 'one_shot',
+'two_shot_lamport', ...) has its own buffers because the kernels' reuse arguments hold only
+between launches of the same protocol.
 Each allocation is laid out as
 
     [ flags: MAX_PROGRAMS x world_size int32 | call counters: MAX_PROGRAMS int32 | pad | data ]
@@ -45,9 +46,26 @@ class SymmBuffer:
     handle: object = None       # the torch symmetric-memory handle (keeps the mapping alive)
 
 
+def flags_bytes(world_size: int) -> int:
+    return MAX_PROGRAMS * world_size * 4
+
+
 def header_bytes(world_size: int) -> int:
-    used = MAX_PROGRAMS * (world_size + 1) * 4
+    used = flags_bytes(world_size) + MAX_PROGRAMS * 4  # flags, then the call counters
     return -(-used // _DATA_ALIGN) * _DATA_ALIGN
+
+
+def slot_elements(numel: int) -> int:
+    """`numel` rounded up to 64 elements: keeps every slot 128-byte aligned."""
+    return -(-numel // 64) * 64
+
+
+def part_elements(buffer, element_size: int, parts: int) -> int:
+    """Elements in 1/`parts` of the buffer's data, rounded down to 64: where fixed regions
+    start, the same for every shape. (Regions sized by the shape would overlap across a shape
+    change: a peer one call ahead, writing the other half of a bigger call, would land in the
+    half this call is reading.)"""
+    return buffer.data_bytes // element_size // parts // 64 * 64
 
 
 def _from_addresses(storage, bases, rank, world_size, data_bytes, handle=None) -> SymmBuffer:
@@ -55,7 +73,7 @@ def _from_addresses(storage, bases, rank, world_size, data_bytes, handle=None) -
     device = storage.device
     signals = torch.tensor(bases, dtype=torch.int64, device=device)
     data = torch.tensor([b + header for b in bases], dtype=torch.int64, device=device)
-    flags_end = MAX_PROGRAMS * world_size * 4
+    flags_end = flags_bytes(world_size)
     epoch = storage[flags_end:flags_end + MAX_PROGRAMS * 4].view(torch.int32)
     return SymmBuffer(storage, data, signals, epoch, rank, world_size, data_bytes, handle)
 
@@ -151,6 +169,6 @@ def local_scratch(world_size: int, rank: int, data_bytes: int, device) -> SymmBu
     come out meaningless."""
     header = header_bytes(world_size)
     storage = torch.zeros(header + data_bytes, dtype=torch.uint8, device=device)
-    storage[:MAX_PROGRAMS * world_size * 4].view(torch.int32).fill_(1 << 30)  # any barrier count
+    storage[:flags_bytes(world_size)].view(torch.int32).fill_(1 << 30)  # any barrier count
     bases = [storage.data_ptr()] * world_size
     return _from_addresses(storage, bases, rank, world_size, data_bytes)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from infini_dist.kernels.symm_signal import world_size_pow2
+
 # op codes; SWIGLU_GATE: the chain value is the gate (silu(x) * side); SWIGLU_UP: it is the up
 # projection (silu(side) * x).
 # (tl.constexpr so that kernels may read them; `.value` is the plain int.)
@@ -180,3 +182,23 @@ def launch_layout(numel: int, row_len: int | None, norm: int, world_size: int) -
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     grid = max(1, min(triton.cdiv(numel, item), MAX_PROGRAMS))
     return Layout(item, block, grid, num_warps, sub, triton.next_power_of_2(sub))
+
+
+def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
+                    weight=None, residual=None, eps=1e-6, pre=None, row_len=None):
+    """What every fused symmetric-memory launch on `buffer` (symm_buffers.SymmBuffer) shares,
+    as (layout, leading args, kwargs). `prologue` / `epilogue` are ChainOps whose side tensors
+    are looked up in `sides`; `norm` is a norm code, with `weight` and (ADD_RMS_NORM) `residual`
+    over rows of `row_len`. The kernel writes `out` and, if given, `pre` (the value the norm
+    normalises, i.e. the new residual); x stands in for the pointers a launch does not use.
+    Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
+    bound once and reused with other tensors of the same shape (symm_algorithms.PreparedLaunch)."""
+    layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
+    head = (x, out, x if pre is None else pre, x if weight is None else weight,
+            x if residual is None else residual, float(eps))
+    kwargs = dict(
+        **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
+        NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
+        WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
+        ON_GPU=x.is_cuda, num_warps=layout.num_warps)
+    return layout, head, kwargs

@@ -27,9 +27,11 @@ import os
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.symm_chain import apply_chain, chain_arguments, finish_item, launch_layout
+from infini_dist.kernels.symm_buffers import slot_elements
+from infini_dist.kernels.symm_chain import (apply_chain, finish_item, fused_arguments,
+                                            launch_layout)
 from infini_dist.kernels.symm_signal import (SPIN_TIMEOUT_NS, block_barrier, empty_like,
-                                             never_empty, peer_pointer, poll, world_size_pow2)
+                                             never_empty, peer_pointer, poll)
 
 
 @triton.jit
@@ -184,7 +186,7 @@ def two_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
     """Data bytes one call needs: the staging slots plus the gathered copy."""
     layout = launch_layout(numel, row_len, norm, world_size)
     items = triton.cdiv(numel, layout.item)
-    return (world_size * items * layout.sub + triton.cdiv(numel, 64) * 64) * element_size
+    return (world_size * items * layout.sub + slot_elements(numel)) * element_size
 
 
 def round_items(items: int, grid: int) -> int:
@@ -212,29 +214,13 @@ def group_items(items: int, grid: int) -> int:
     return 4 if per_program >= 16 else 2 if per_program >= 4 else 1
 
 
-def two_shot_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                    weight=None, residual=None, eps=1e-6, pre=None, row_len=None,
-                    items_per_round=None):
-    """The launch `two_shot_all_reduce` makes, as (kernel, grid, args, kwargs); kwargs holds
-    the launch options too. Reads of the tensors: x.numel() and x.is_cuda only."""
-    layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
+def two_shot_launch(x, buffer, out, **options):
+    """The launch, as (kernel, grid, args, kwargs) with the launch options in kwargs; options
+    as in symm_chain.fused_arguments."""
+    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
     items = triton.cdiv(x.numel(), layout.item)
-    per_round = items_per_round or round_items(items, layout.grid)
-    args = (x, out, x if pre is None else pre, x if weight is None else weight,
-            x if residual is None else residual, float(eps),
-            buffer.data_table, buffer.signal_table, x.numel(), buffer.rank, SPIN_TIMEOUT_NS,
-            per_round)
-    kwargs = dict(
-        **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
-        NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
-        SUB=layout.sub, SUB_BLOCK=layout.sub_block, GROUP=group_items(items, layout.grid),
-        WORLD_SIZE=buffer.world_size,
-        WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
+    args = head + (buffer.data_table, buffer.signal_table, x.numel(), buffer.rank,
+                   SPIN_TIMEOUT_NS, round_items(items, layout.grid))
+    kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block,
+                  GROUP=group_items(items, layout.grid))
     return two_shot_all_reduce_kernel, (layout.grid,), args, kwargs
-
-
-def two_shot_all_reduce(x, buffer, out, **options):
-    """Launch on `buffer` (symm_buffers.SymmBuffer); arguments as in one_shot_all_reduce.
-    `items_per_round` overrides the round size (tests)."""
-    kernel, grid, args, kwargs = two_shot_launch(x, buffer, out, **options)
-    kernel[grid](*args, **kwargs)

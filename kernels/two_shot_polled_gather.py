@@ -16,8 +16,8 @@ and a gathered copy, also at fixed offsets: staging is never emptied, so a gathe
 after the staging of the current shape could sit on a previous shape's stale staging values and
 read as already arrived. A peer's call n+1 writes the other half. Its call n+2 passes the barrier
 of call n+2 only after this rank arrives there, i.e. after this rank's call n+1, so this rank has
-read (and, for the gathered copy, emptied) the half of call n. Sums run in rank order in fp32 and every rank
-reads the owners' rounded results, so all ranks get bitwise identical outputs.
+read (and, for the gathered copy, emptied) the half of call n. Sums run in rank order in fp32
+and every rank reads the owners' rounded results, so all ranks get bitwise identical outputs.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.one_shot_all_reduce import half_elements, slot_elements
-from infini_dist.kernels.symm_chain import MAX_PROGRAMS, chain_arguments, launch_layout
-from infini_dist.kernels.symm_signal import (SPIN_TIMEOUT_NS, block_barrier, peer_pointer,
-                                             world_size_pow2)
+from infini_dist.kernels.symm_buffers import part_elements, slot_elements
+from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, launch_layout
+from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, block_barrier, peer_pointer
 from infini_dist.kernels.two_shot_all_reduce import (finish_items, group_items, reduce_items,
                                                      scatter_items, staging_targets)
 
@@ -96,25 +95,18 @@ def polled_gather_bytes(numel: int, element_size: int, world_size: int, row_len=
     return 4 * slot_elements(staging) * element_size
 
 
-def two_shot_polled_gather_launch(x, buffer, out, *, prologue=(), epilogue=(), sides=None,
-                                  norm=0, weight=None, residual=None, eps=1e-6, pre=None,
-                                  row_len=None):
-    """The launch, as (kernel, grid, args, kwargs), like two_shot_all_reduce.two_shot_launch."""
-    layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
-    items = triton.cdiv(x.numel(), layout.item)
-    half = half_elements(buffer, x.element_size())
-    group = group_items(items, layout.grid)
-    # About 32 elements of a [group, row] tile a thread: on 4 H200s, add_rms_norm x 4096 bf16 at
-    # 8192 tokens took 313.5 us with 16 warps against 317.8 with 8 (1024 tokens: 8 warps).
-    num_warps = max(4, min(16, group * layout.block // 1024))
-    args = (x, out, x if pre is None else pre, x if weight is None else weight,
-            x if residual is None else residual, float(eps), buffer.data_table,
-            buffer.signal_table, buffer.epoch, x.numel(), half, half // 2 // 64 * 64,
-            buffer.rank, SPIN_TIMEOUT_NS)
-    kwargs = dict(
-        **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
-        NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
-        SUB=layout.sub, SUB_BLOCK=layout.sub_block, GROUP=group, MAX_PROGRAMS=MAX_PROGRAMS,
-        WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
-        ON_GPU=x.is_cuda, num_warps=num_warps)
+def two_shot_polled_gather_launch(x, buffer, out, **options):
+    """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
+    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    group = group_items(triton.cdiv(x.numel(), layout.item), layout.grid)
+    # Halves start every half buffer; in each, the gathered copy a quarter buffer in.
+    args = head + (buffer.data_table, buffer.signal_table, buffer.epoch, x.numel(),
+                   part_elements(buffer, x.element_size(), 2),
+                   part_elements(buffer, x.element_size(), 4), buffer.rank, SPIN_TIMEOUT_NS)
+    kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, GROUP=group,
+                  MAX_PROGRAMS=MAX_PROGRAMS,
+                  # About 32 elements of a [group, row] tile a thread: on 4 H200s, add_rms_norm
+                  # x 4096 bf16 at 8192 tokens took 313.5 us with 16 warps against 317.8 with 8
+                  # (1024 tokens: 8 warps).
+                  num_warps=max(4, min(16, group * layout.block // 1024)))
     return two_shot_polled_gather_kernel, (layout.grid,), args, kwargs
