@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import infini_dist
-from infini_dist.scheduler.choices import RunContext, TensorMeta, generate_choices, run_nodes
+from infini_dist.scheduler.choices import RunContext
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
 from infini_dist.launch import shutdown
@@ -178,17 +177,8 @@ def peers(pattern, inputs, group, cuda, compile_peer):
 def engine_candidates(graph, inputs, group, device):
     """The engine's choices for the site of `graph`, precompiled, by name."""
     executor = executor_for(graph)
-    runner = executor.site_runners()[0]
-    settings = infini_dist.config.snapshot()
     ctx = RunContext(group, dist.get_world_size(group), dist.get_rank(group), device)
-    env = dict(inputs)
-    run_nodes(graph, runner.site.region, env, ctx)
-    meta = {n: TensorMeta.of(v) for n, v in env.items() if isinstance(v, torch.Tensor)}
-    choices = generate_choices(graph, runner.site, meta, ctx,
-                               fusion_types=settings.custom_op_fusion_types,
-                               max_depth=settings.max_fusion_depth,
-                               recursive=settings.enable_recursive_fusion,
-                               enable_fusion=settings.enable_custom_op_fusion)
+    choices, meta, _ = executor.site_runners()[0].candidates(dict(inputs), ctx)
     out = {}
     for choice in choices:
         try:

@@ -39,6 +39,14 @@ class RunContext:
     device: torch.device
 
 
+def resolve_group(name: str | None, default=None):
+    """The process group a collective node's `group_name` attribute names, else `default`."""
+    if not name:
+        return default
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
 @dataclass(frozen=True)
 class FusedSpan:
     """The nodes one algorithm runs as a unit, with the values it reads and must produce."""
@@ -61,6 +69,11 @@ class FusedSpan:
 
     def nodes(self, indices):
         return [self.graph.nodes[i] for i in indices]
+
+    @property
+    def fuses_anything(self) -> bool:
+        """False for a lone anchor: its algorithm then runs the collective alone."""
+        return bool(self.prologue or self.epilogue or len(self.anchors) > 1)
 
 
 Runner = Callable[[dict], dict]
@@ -170,11 +183,6 @@ class Choice:
         self._runner: Runner | None = None
         self.outputs = live_outputs(graph, site.region)
 
-    @property
-    def nodes(self):
-        """The nodes this choice fuses (empty for an all-unfused choice)."""
-        return tuple(self.span.nodes(self.span.indices)) if self.span else ()
-
     def precompile(self, meta: dict[str, TensorMeta], ctx: RunContext) -> None:
         self._ctx = ctx
         if self.span is not None:
@@ -193,6 +201,14 @@ class Choice:
         return f"Choice({self.name})"
 
 
+UNFUSED = "unfused"
+
+
+def baseline_choice(graph: SubGraph, site: Site) -> Choice:
+    """Every node of the site through its reference implementation: the correctness baseline."""
+    return Choice(UNFUSED, [("nodes", site.region)], graph, site)
+
+
 def _depths(limit: int, enabled: bool, recursive: bool) -> list[int]:
     if not enabled or limit == 0:
         return [0]
@@ -203,9 +219,9 @@ def generate_choices(graph: SubGraph, site: Site, meta: dict[str, TensorMeta], c
                      *, fusion_types, max_depth: int, recursive: bool,
                      enable_fusion: bool = True) -> list[Choice]:
     """The unfused baseline first, then every supported fused choice, in a deterministic order."""
-    baseline = Choice("unfused", [("nodes", site.region)], graph, site)
-    return [baseline] + _fused_choices(graph, site, site, meta, ctx, [], "", set(fusion_types),
-                                       max_depth, recursive, enable_fusion)
+    fused = _fused_choices(graph, site, site, meta, ctx, [], "", set(fusion_types), max_depth,
+                           recursive, enable_fusion)
+    return [baseline_choice(graph, site)] + fused
 
 
 def _fused_choices(graph, root, site, meta, ctx, prefix, prefix_name, fusion_types, max_depth,

@@ -23,7 +23,8 @@ import infini_dist
 from infini_dist.config import Settings
 from infini_dist.scheduler import benchmark
 from infini_dist.scheduler.cache import DECISIONS, versions
-from infini_dist.scheduler.choices import (Choice, RunContext, TensorMeta, generate_choices,
+from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMeta,
+                                           baseline_choice, generate_choices, resolve_group,
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
@@ -47,14 +48,6 @@ def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
                     live_outputs(graph, region))
 
 
-def _group_of(graph: SubGraph, site: Site, default):
-    name = graph.nodes[site.anchors[0]].attr("group_name")
-    if name:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        return _resolve_process_group(name)
-    return default
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -71,8 +64,7 @@ def _digest(values: dict) -> str:
 
 
 def _is_unfused(choice: Choice) -> bool:
-    span = choice.span
-    return span is None or (not span.prologue and not span.epilogue and len(span.anchors) == 1)
+    return choice.span is None or not choice.span.fuses_anything
 
 
 class SiteRunner:
@@ -86,6 +78,7 @@ class SiteRunner:
         self.inputs = self.sub.input_names
         self.outputs = self.sub.output_names
         self.has_collective = any(graph.nodes[a].op_type == "all_reduce" for a in site.anchors)
+        self.group_name = graph.nodes[site.anchors[0]].attr("group_name")
         self._committed: dict[tuple, Choice] = {}
         self._lock = threading.Lock()
         self.last_tuning: dict | None = None  # set when this runner benchmarked
@@ -93,7 +86,7 @@ class SiteRunner:
 
     def run(self, env: dict, group) -> dict:
         values = {name: env[name] for name in self.inputs}
-        group = _group_of(self.graph, self.site, group)
+        group = resolve_group(self.group_name, group)
         local = (id(group),) + tuple((tuple(v.shape), v.dtype, v.is_contiguous(), v.device)
                                      if isinstance(v, torch.Tensor) else (type(v), v)
                                      for v in values.values())
@@ -110,6 +103,21 @@ class SiteRunner:
         if self.has_collective or dist.is_initialized():
             return RunContext(group, dist.get_world_size(group), dist.get_rank(group), device)
         return RunContext(group, 1, 0, device)
+
+    def candidates(self, values: dict, ctx: RunContext) -> tuple[list[Choice], dict, dict]:
+        """(choices, meta, reference) for these inputs: one unfused pass gives the reference
+        outputs and every intermediate's shape and dtype, from which the choices are made."""
+        s = self.settings
+        env = dict(values)
+        run_nodes(self.graph, self.site.region, env, ctx)
+        reference = {name: env[name] for name in self.outputs}
+        meta = {n: TensorMeta.of(v) for n, v in env.items() if isinstance(v, torch.Tensor)}
+        choices = generate_choices(self.graph, self.site, meta, ctx,
+                                   fusion_types=s.custom_op_fusion_types,
+                                   max_depth=s.max_fusion_depth,
+                                   recursive=s.enable_recursive_fusion,
+                                   enable_fusion=s.enable_custom_op_fusion)
+        return choices, meta, reference
 
     def _decide(self, values: dict, group, local: tuple) -> Choice:
         ctx = self._context(values, group)
@@ -132,7 +140,7 @@ class SiteRunner:
         return choice
 
     def _baseline(self, ctx):
-        choice = Choice("unfused", [("nodes", self.site.region)], self.graph, self.site)
+        choice = baseline_choice(self.graph, self.site)
         choice.precompile({}, ctx)
         return choice
 
@@ -156,16 +164,7 @@ class SiteRunner:
             record = plane.broadcast(record if rank0 else None, "cache lookup")
         DECISIONS.count(hit=record is not None)
 
-        # One unfused pass gives the reference values and every intermediate's shape and dtype.
-        env = dict(values)
-        run_nodes(self.graph, self.site.region, env, ctx)
-        reference = {name: env[name] for name in self.outputs}
-        meta = {n: TensorMeta.of(v) for n, v in env.items() if isinstance(v, torch.Tensor)}
-        choices = generate_choices(self.graph, self.site, meta, ctx,
-                                   fusion_types=s.custom_op_fusion_types,
-                                   max_depth=s.max_fusion_depth,
-                                   recursive=s.enable_recursive_fusion,
-                                   enable_fusion=s.enable_custom_op_fusion)
+        choices, meta, reference = self.candidates(values, ctx)
         names = [c.name for c in choices]
         if plane is not None:
             plane.agree(names, "choice list", "the set of choices")
@@ -212,7 +211,7 @@ class SiteRunner:
                 if err is not None:
                     failed.setdefault(name, f"rank {rank}: {err}")
         for name, err in failed.items():
-            if name == "unfused":
+            if name == UNFUSED:
                 raise TuningError(f"infini_dist: the unfused baseline failed ({err})")
             (log.warning if self.settings.debug_mode else log.info)(
                 "infini_dist: dropping choice %s at %s: %s", name, step, err)
@@ -272,7 +271,7 @@ class SiteRunner:
                 continue
             # Where the baseline gives every rank the same bits, a fused choice must too.
             digests = plane.all_gather(digest, f"digest {choice.name}") if plane else [digest]
-            if choice.name == "unfused":
+            if choice.name == UNFUSED:
                 replicated = len(set(digests)) == 1
             elif replicated and len(set(digests)) > 1:
                 log.warning("infini_dist: dropping %s: outputs differ across ranks", choice.name)

@@ -189,8 +189,6 @@ _elementwise("swiglu", swiglu, 2)
 register_op("rms_norm", rms_norm, kind="rowwise", num_inputs=2)
 register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outputs=2)
 
-ELEMENTWISE_OPS = ("add", "mul", "scale", "relu", "silu", "gelu", "sigmoid", "swiglu")
-
 # How far a choice may sit from the unfused baseline. Both sides round: the baseline once per
 # op (and NCCL in bf16 once per reduction step), a fused kernel once at the end, so the check is
 # on the relative L2 error, plus a per-element bound against the tensor's scale that still

@@ -20,8 +20,7 @@ class TorchFusedAllReduce(Algorithm):
         anchor_inputs = [n for a in span.anchors for n in span.graph.nodes[a].inputs]
         dtypes = {meta[n].dtype for n in anchor_inputs if n in meta}
         # At depth zero with one anchor this is the baseline again: not a separate choice.
-        fuses_something = bool(span.prologue or span.epilogue or len(span.anchors) > 1)
-        return fuses_something and len(dtypes) == 1
+        return span.fuses_anything and len(dtypes) == 1
 
     def compile(self, span, meta, ctx):
         graph = span.graph

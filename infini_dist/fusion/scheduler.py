@@ -154,16 +154,11 @@ def _global_flags() -> tuple:
     return tuple(getattr(infini_dist.config, name) for name in FLAGS)
 
 
-def _resolve_group(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    return _resolve_process_group(name)
-
-
 def _collective_group(graph: SubGraph, group):
     """The group the graph's all_reduces run on: the first one's group_name attr, else `group`."""
     named = next((node.attr("group_name") for node in graph.nodes
                   if node.op_type == "all_reduce" and node.attr("group_name")), None)
-    return _resolve_group(named) if named else group
+    return choices.resolve_group(named, group)
 
 
 def _context(group, inputs: dict) -> choices.RunContext:
@@ -314,7 +309,8 @@ class FusionScheduler:
             # A collective naming its group (as the compile pass does) runs there, as the
             # engine would run it; everything else takes the dispatch's group.
             named = node.attr("group_name")
-            node_ctx = dataclasses.replace(ctx, group=_resolve_group(named)) if named else ctx
+            node_ctx = (dataclasses.replace(ctx, group=choices.resolve_group(named)) if named
+                        else ctx)
             choices.run_nodes(graph, (index,), env, node_ctx)
         return {name: env[name] for name in graph.output_names}
 
