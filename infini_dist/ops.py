@@ -12,7 +12,7 @@ import functools
 import torch
 
 import infini_dist
-from infini_dist.scheduler.engine import executor_for
+from infini_dist.scheduler.engine import GraphExecutor, executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
 
@@ -41,15 +41,15 @@ def swiglu_graph() -> SubGraph:
                     ("gate", "up"), ("output",))
 
 
-_USED: dict[str, SubGraph] = {}
+_USED: dict[str, GraphExecutor] = {}  # op name -> the executor of its latest call
 
 
 def _run(name: str, graph: SubGraph, inputs: dict, group) -> dict:
     for value_name, value in inputs.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: {value_name} must be a tensor, got {type(value).__name__}")
-    _USED[name] = graph
-    return executor_for(graph, infini_dist.config.snapshot()).run(inputs, group)
+    executor = _USED[name] = executor_for(graph, infini_dist.config.snapshot())
+    return executor.run(inputs, group)
 
 
 def all_reduce_relu_scale(x: torch.Tensor, scale: float, group=None) -> torch.Tensor:
@@ -84,8 +84,7 @@ def all_reduce_swiglu(gate: torch.Tensor, up: torch.Tensor, group=None) -> torch
 def decisions() -> list[dict]:
     """What each op used so far decided, for reports: op, candidates, times, committed choice."""
     rows = []
-    for name, graph in _USED.items():
-        executor = executor_for(graph, infini_dist.config.snapshot())
+    for name, executor in _USED.items():
         for runner in executor.site_runners():
             if runner.last_decision is not None:
                 rows.append(dict(runner.last_decision, op=name))

@@ -58,17 +58,14 @@ def subgraph_from_json(text: str) -> SubGraph:
 
 # ---- the op --------------------------------------------------------------------------------------
 
-_USED: dict[str, SubGraph] = {}
-_EXECUTORS: dict = {}  # (graph text, settings) -> executor: text hashes are cached, graphs' not
+_EXECUTORS: dict = {}  # (graph text, settings) -> executor: no parsing of the text per call
 
 
 def _executor(text: str):
     settings = infini_dist.config.snapshot()
     executor = _EXECUTORS.get((text, settings))
     if executor is None:
-        sub = subgraph_from_json(text)
-        executor = _EXECUTORS[(text, settings)] = executor_for(sub, settings)
-        _USED.setdefault(text, sub)
+        executor = _EXECUTORS[(text, settings)] = executor_for(subgraph_from_json(text), settings)
     return executor
 
 
@@ -136,12 +133,12 @@ def _(inputs, graph):
 
 
 def decisions() -> list[dict]:
-    """What each compiled site decided so far (candidates, times, committed choice)."""
+    """What each compiled site that ran decided so far (candidates, times, committed choice),
+    under whatever settings it ran with."""
     rows = []
-    for text, sub in _USED.items():
-        for runner in _executor(text).site_runners():
-            decision = getattr(runner, "last_decision", None)
-            if decision is not None:
-                ops = "+".join(n.op_type for n in sub.nodes)
-                rows.append(dict(decision, op=ops, subgraph=text))
+    for (text, _), executor in list(_EXECUTORS.items()):
+        for runner in executor.site_runners():
+            if runner.last_decision is not None:
+                ops = "+".join(n.op_type for n in executor.graph.nodes)
+                rows.append(dict(runner.last_decision, op=ops, subgraph=text))
     return rows
