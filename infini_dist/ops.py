@@ -52,10 +52,22 @@ def _run(name: str, graph: SubGraph, inputs: dict, group) -> dict:
     return executor.run(inputs, group)
 
 
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in tensors)
+
+
+def _autograd():
+    from infini_dist import ops_autograd  # it builds on this module
+    return ops_autograd
+
+
 def all_reduce_relu_scale(x: torch.Tensor, scale: float, group=None) -> torch.Tensor:
     """relu(all_reduce(x)) * scale."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"all_reduce_relu_scale: scale must be a number, got {scale!r}")
+    if _wants_grad(x):
+        return _autograd().all_reduce_relu_scale(x, float(scale), group)
     return _run("all_reduce_relu_scale", relu_scale_graph(float(scale)), {"x": x}, group)["output"]
 
 
@@ -68,6 +80,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"all_reduce_add_rms_norm: weight must have shape {tuple(x.shape[-1:])}, "
                          f"got {tuple(weight.shape)}")
+    if _wants_grad(x, residual, weight):
+        return _autograd().all_reduce_add_rms_norm(x, residual, weight, float(eps), group)
     out = _run("all_reduce_add_rms_norm", add_rms_norm_graph(float(eps)),
                {"x": x, "residual": residual, "weight": weight}, group)
     return out["output"], out["residual_out"]
@@ -78,6 +92,8 @@ def all_reduce_swiglu(gate: torch.Tensor, up: torch.Tensor, group=None) -> torch
     if gate.shape != up.shape:
         raise ValueError(f"all_reduce_swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} "
                          f"differ in shape")
+    if _wants_grad(gate, up):
+        return _autograd().all_reduce_swiglu(gate, up, group)
     return _run("all_reduce_swiglu", swiglu_graph(), {"gate": gate, "up": up}, group)["output"]
 
 
