@@ -169,6 +169,11 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6):
     return _rms(total, weight, eps).to(x.dtype), total.to(x.dtype)
 
 
+def rms_rstd(x, eps: float = 1e-6):
+    """The fp32 rsqrt(mean(x^2) + eps) per row that an RMSNorm's backward reuses."""
+    return torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
 def swiglu(gate, up):
     return F.silu(gate) * up
 
@@ -187,6 +192,7 @@ _elementwise("gelu", gelu, 1)
 _elementwise("sigmoid", sigmoid, 1)
 _elementwise("swiglu", swiglu, 2)
 register_op("rms_norm", rms_norm, kind="rowwise", num_inputs=2)
+register_op("rms_rstd", rms_rstd, kind="rowwise", num_inputs=1)
 register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outputs=2)
 
 # How far a choice may sit from the unfused baseline. Both sides round: the baseline once per

@@ -256,7 +256,21 @@ def _epilogue_op(g: GraphIndex, match, live: set, region: frozenset) -> IROp | N
                 return None
         elif not _is_tensor(node) or g.depends_on(node, region):
             return None
+    if match.exposed is not None and _exposed_op(match) is None:
+        return None
     return _ir_op(match, next(n for n in match.inputs if n in live))
+
+
+def _exposed_op(match) -> IROp | None:
+    """The IR op for the interior value a match exposes: the norm's fp32 rsqrt, one per row.
+    It replaces no node of its own (the norm's op does) and only names that node's value."""
+    op_type, _ = match.form.exposable
+    source, value = _val(match.inputs[0]), _val(match.exposed)
+    if (not isinstance(value, torch.Tensor) or value.dtype != torch.float32
+            or tuple(value.shape) != tuple(source.shape[:-1]) + (1,)):
+        return None
+    return IROp(op_type, [match.inputs[0]], [match.exposed], {"eps": match.attrs["eps"]},
+                frozenset())
 
 
 def _epilogue(g: GraphIndex, site: Site, depth: int) -> None:
@@ -272,7 +286,7 @@ def _epilogue(g: GraphIndex, site: Site, depth: int) -> None:
                 op = _epilogue_op(g, match, live, region) if match is not None else None
                 if op is not None:
                     found.append((match, op))
-        if len(site.epilogue) >= depth:  # at the cap only an rms_norm folding into an add
+        if _depth(site.epilogue) >= depth:  # at the cap only an rms_norm folding into an add
             found = [(m, op) for m, op in found if _folds_into(site.epilogue, m)]
         best = _best(found)
         if best is None:
@@ -283,9 +297,21 @@ def _epilogue(g: GraphIndex, site: Site, depth: int) -> None:
             op = IROp("add_rms_norm", [add.inputs[0], add.inputs[1], op.inputs[1]],
                       [op.outputs[0], add.outputs[0]], op.attrs, add.nodes | op.nodes)
         site.epilogue.append(op)
+        if match.exposed is not None:
+            site.epilogue.append(_exposed_op(match))
         region = region | op.nodes
         live |= {n for n in op.outputs if n is not None}
         keys |= {_key(n) for n in op.outputs if n is not None}
+
+
+def _depth(epilogue: list) -> int:
+    return sum(1 for op in epilogue if op.nodes)  # an exposed value is no op of its own
+
+
+def _pop_epilogue(site: Site) -> None:
+    """Drop the last epilogue op; an exposed value goes with the op whose nodes compute it."""
+    while site.epilogue and not site.epilogue.pop().nodes:
+        pass
 
 
 def _folds_into(epilogue: list, match) -> bool:
@@ -356,7 +382,7 @@ def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> Site:
         _epilogue(g, site, depth)
     while not _fits(g, site):
         if site.epilogue:
-            site.epilogue.pop()
+            _pop_epilogue(site)
         elif len(site.anchors) > 1:
             site.anchors.pop()
             site.prologue_of.pop()

@@ -59,7 +59,12 @@ class Form:
     attrs: tuple[tuple[str, Any], ...] = ()  # fixed IR attributes
     captures: tuple[tuple[str, float], ...] = ()  # IR attribute <- sentinel in the trace
     commutative: bool = False  # the IR op may take its inputs in either order
+    # An interior value the graph may also read (training saves the norm's rsqrt for backward),
+    # with the IR op that computes it from input 0 and the aten op that yields it.
+    exposable: tuple[str, Any] | None = None
 
+
+_RSTD = ("rms_rstd", aten.rsqrt.default)
 
 FORMS = (
     Form("add", "add", lambda a, b: a + b, 2, (0, 1), commutative=True),
@@ -72,9 +77,12 @@ FORMS = (
     Form("gelu_tanh", "gelu", lambda x: F.gelu(x, approximate="tanh"), 1,
          attrs=(("approximate", "tanh"),)),
     Form("swiglu", "swiglu", lambda gate, up: F.silu(gate) * up, 2, (0, 1)),
-    Form("rms_norm_llama", "rms_norm", _hf_rms_norm, 2, captures=(("eps", EPS),)),
-    Form("rms_norm", "rms_norm", _torch_rms_norm, 2, captures=(("eps", EPS),)),
-    Form("rms_norm_fp32", "rms_norm", _fp32_rms_norm, 2, captures=(("eps", EPS),)),
+    Form("rms_norm_llama", "rms_norm", _hf_rms_norm, 2, captures=(("eps", EPS),),
+         exposable=_RSTD),
+    Form("rms_norm", "rms_norm", _torch_rms_norm, 2, captures=(("eps", EPS),),
+         exposable=_RSTD),
+    Form("rms_norm_fp32", "rms_norm", _fp32_rms_norm, 2, captures=(("eps", EPS),),
+         exposable=_RSTD),
 )
 
 _COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
@@ -86,6 +94,7 @@ class Template:
     placeholders: tuple[fx.Node, ...]
     root: fx.Node
     size: int  # call_function nodes
+    exposable: fx.Node | None  # the interior node yielding the form's exposable value
 
 
 def _example_inputs(form: Form, dtype, ndim: int, device) -> list[torch.Tensor]:
@@ -127,7 +136,11 @@ def _trace(form: Form, dtype, ndim: int, device) -> Template | None:
             or len(placeholders) != form.arity):
         return None  # e.g. relu of an int tensor: nothing to match
     size = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    return Template(form, placeholders, root, size)
+    exposable = None
+    if form.exposable is not None:
+        found = [n for n in gm.graph.nodes if n.target == form.exposable[1]]
+        exposable = found[0] if len(found) == 1 else None
+    return Template(form, placeholders, root, size, exposable)
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,6 +171,7 @@ class Match:
     nodes: frozenset  # graph nodes the pattern covers
     root: fx.Node
     attrs: dict
+    exposed: fx.Node | None = None  # the template's exposable node, where read outside
 
     @property
     def form(self) -> Form:
@@ -237,12 +251,16 @@ def match_at(template: Template, root: fx.Node) -> Match | None:
                       if isinstance(k, fx.Node) and k.op != "placeholder")
     if any(n in nodes for n in inputs):
         return None
+    exposable = state.get(template.exposable) if template.exposable is not None else None
+    exposed = None
     for node in nodes:  # values inside the pattern may not be read from outside it
         if node is not root and any(user not in nodes for user in node.users):
-            return None
+            if node is not exposable:
+                return None
+            exposed = node
     attrs = dict(template.form.attrs)
     for name, _ in template.form.captures:
         if ("attr", name) not in state:
             return None
         attrs[name] = float(state[("attr", name)])
-    return Match(template, inputs, nodes, root, attrs)
+    return Match(template, inputs, nodes, root, attrs, exposed)
