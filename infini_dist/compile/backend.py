@@ -20,11 +20,12 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs):
     """The pass on a forward or backward graph. Inductor's no-op removal runs first, as it does
     before the post-grad pass: with grad enabled DTensor leaves a same-shape view between
     wait_tensor and the residual add, which would hide the epilogue."""
+    from functorch.compile import make_boxed_func
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
     remove_noop_ops(gm.graph)
     fuse_sites(gm.graph, infini_dist.config.snapshot())
     gm.recompile()
-    return gm
+    return make_boxed_func(gm.forward)  # boxed: AOTAutograd may free inputs as it goes
 
 
 def infini_dist_backend(gm: torch.fx.GraphModule, example_inputs):
