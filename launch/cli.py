@@ -36,13 +36,19 @@ def main(argv=None) -> int:
         if name == "bench":
             p.add_argument("--model", action="store_true",
                            help="the end-to-end TP decoder benchmark (launch/bench_model.py)")
+            p.add_argument("--train", action="store_true",
+                           help="the TP decoder training step benchmark (launch/bench_train.py)")
     args, rest = parser.parse_known_args(argv)
     nproc = args.nproc or default_nproc()
     if nproc < 1:
         parser.error("--nproc must be >= 1")
     module = {"demo": "infini_dist.launch.demo", "bench": "infini_dist.launch.bench"}[args.command]
+    if getattr(args, "model", False) and getattr(args, "train", False):
+        parser.error("bench: --model and --train are two benchmarks; pick one")
     if getattr(args, "model", False):
         module = "infini_dist.launch.bench_model"
+    if getattr(args, "train", False):
+        module = "infini_dist.launch.bench_train"
     return torchrun(module, nproc, rest)
 
 

@@ -127,6 +127,10 @@ class Decoder(nn.Module):
             return x
         return funcol.all_reduce(x, "sum", self.group_name)
 
+    def column_input(self, h):
+        """Where h enters the column-parallel projections (training reduces its gradient)."""
+        return h
+
     def forward(self, x, pos=None, caches=None, eager_nccl: bool = False):
         """x (batch, tokens, hidden) replicated; decode: tokens == 1, pos (1,), caches per layer
         (k, v) of (batch, kv_heads/TP, context, head_dim). Returns the final normed hidden."""
@@ -135,9 +139,10 @@ class Decoder(nn.Module):
         h = rms_norm(x, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            residual = self.all_reduce(layer.attention(h, pos, cache), eager_nccl) + residual
+            residual = self.all_reduce(layer.attention(self.column_input(h), pos, cache),
+                                       eager_nccl) + residual
             h = rms_norm(residual, layer.mlp_norm, eps)
-            residual = self.all_reduce(layer.mlp(h), eager_nccl) + residual
+            residual = self.all_reduce(layer.mlp(self.column_input(h)), eager_nccl) + residual
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) \
                 else self.final_norm
             h = rms_norm(residual, following, eps)

@@ -1,0 +1,194 @@
+"""A tensor-parallel training step: plain torch.compile against torch.compile + the infini_dist pass.
+
+    infini-dist bench --train --out bench_train_out [--tokens 2048,8192 --steps 50 --layers 4
+        --hidden 4096 --mlp 14336 --heads 32 --kv-heads 8]
+    infini-dist bench --train --nproc 2 --device cpu --tokens 16 --steps 3 --warmup 1 \\
+        --layers 1 --hidden 32 --mlp 64 --heads 4 --kv-heads 2       (gloo CPU ranks, float32)
+
+The model is launch/tp_decoder.py's decoder with trainable weights and Megatron's two TP
+functions: the row-parallel outputs are all-reduced in forward (identity in backward), and the
+inputs of the column-parallel projections have their gradient all-reduced in backward (identity
+in forward). So the forward graph has all_reduce -> add -> RMSNorm sites (the norm's rsqrt saved
+for backward) and the backward graph the input-gradient all_reduces with their epilogues.
+
+One step: forward over `tokens` tokens (batch 1), MSE against a fixed replicated target,
+backward, AdamW. Per tokens-per-step and variant (inductor: torch.compile(model); infini_dist:
+compile_model(model)), a fresh model with the same weights trains --steps steps; after --warmup
+steps (compile and tuning) each step is timed, median per rank, max over ranks. The two loss
+curves must agree within --tol (bf16 noise on GPU); exit status 1 if they do not. Writes the
+table on stdout and results.json + table.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from infini_dist.launch import shutdown
+from infini_dist.launch.bench_model import setup
+from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
+
+VARIANTS = ("inductor", "infini_dist")
+
+
+class _ReduceFromRanks(torch.autograd.Function):
+    """Row-parallel output: summed over the ranks; its gradient is already replicated."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """Column-parallel input: each rank's gradient covers its columns only, so it is summed."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_reduce(grad, "sum", ctx.group_name)), None
+
+
+class TrainDecoder(Decoder):
+    def __init__(self, cfg, group, device, dtype):
+        super().__init__(cfg, group, device, dtype)
+        for p in self.parameters():
+            p.requires_grad_(True)
+
+    def all_reduce(self, x, eager_nccl: bool = False):
+        return _ReduceFromRanks.apply(x, self.group_name)
+
+    def column_input(self, h):
+        return _CopyToRanks.apply(h, self.group_name)
+
+
+def train_curve(model, forward, tokens: int, args, device, dtype, control) -> dict:
+    """Loss per step and the median timed step (max over ranks)."""
+    shared = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(1, tokens, args.model.hidden, generator=shared, device=device).to(dtype)
+    target = torch.randn(1, tokens, args.model.hidden, generator=shared, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses, times = [], []
+    for step in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(forward(x).float(), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))  # syncs the device
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=control)
+    step_s = float(median)
+    return {"losses": losses, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s}
+
+
+def run_variant(variant: str, tokens: int, args, device, dtype, control) -> dict:
+    import infini_dist.compile as idc
+    torch._dynamo.reset()
+    model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)  # seeded: same weights
+    sites_before = idc.stats["sites"]
+    forward = idc.compile_model(model) if variant == "infini_dist" else torch.compile(model)
+    row = train_curve(model, forward, tokens, args, device, dtype, control)
+    row.update(variant=variant, tokens=tokens, sites=idc.stats["sites"] - sites_before)
+    return row
+
+
+def compare(rows: list, tol: float) -> list:
+    """Per tokens-per-step: speedup of infini_dist over inductor and the loss curves' distance."""
+    verdicts = []
+    for tokens in sorted({r["tokens"] for r in rows}):
+        base, ours = (next(r for r in rows if r["tokens"] == tokens and r["variant"] == v)
+                      for v in VARIANTS)
+        diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], base["losses"]))
+        verdicts.append({"tokens": tokens, "speedup": base["step_ms"] / ours["step_ms"],
+                         "loss_rel_diff": diff, "loss_ok": diff <= tol})
+    return verdicts
+
+
+def table(rows: list, verdicts: list) -> str:
+    lines = ["| tokens/step | variant | step ms | tokens/s | sites | final loss |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['variant']} | {r['step_ms']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['sites']} | {r['losses'][-1]:.5f} |")
+    lines += ["", "| tokens/step | speedup (inductor / infini_dist) | loss curve max rel diff | ok |",
+              "|---|---|---|---|"]
+    for v in verdicts:
+        lines.append(f"| {v['tokens']} | {v['speedup']:.3f}x | {v['loss_rel_diff']:.2e} | "
+                     f"{'yes' if v['loss_ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="infini-dist bench --train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench_train_out")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tokens", default="2048,8192", help="tokens per step, comma-separated")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed first steps")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--tol", type=float, default=None,
+                        help="loss curves' max relative difference (default 2e-2 bf16, 1e-4 fp32)")
+    for flag, default in (("layers", 4), ("hidden", 4096), ("mlp", 14336), ("heads", 32),
+                          ("kv-heads", 8)):
+        parser.add_argument(f"--{flag}", type=int, default=default)
+    args = parser.parse_args(argv)
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        parser.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
+    if min(args.tokens) <= 0 or args.steps <= args.warmup or args.warmup < 0:
+        parser.error("--tokens must be positive and --steps greater than --warmup >= 0")
+    args.model = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads,
+                             context=max(args.tokens))
+    args.cpu_smoke = args.device == "cpu"  # bench_model.setup: gloo, float32
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, dtype, control = setup(args)
+    check_shapes(args.model, dist.get_world_size())
+    tol = args.tol if args.tol is not None else (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    rows = [run_variant(v, tokens, args, device, dtype, control)
+            for tokens in args.tokens for v in VARIANTS]
+    verdicts = compare(rows, tol)
+    if dist.get_rank() == 0:
+        text = table(rows, verdicts)
+        print(text, flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"world_size": dist.get_world_size(), "model": asdict(args.model),
+                "dtype": str(dtype).replace("torch.", ""), "steps": args.steps,
+                "warmup": args.warmup, "lr": args.lr, "tol": tol, "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write(text + "\n")
+    shutdown()
+    return 0 if all(v["loss_ok"] for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
