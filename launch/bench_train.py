@@ -109,7 +109,9 @@ def run_variant(variant: str, tokens: int, args, device, dtype, control) -> dict
     sites_before = idc.stats["sites"]
     forward = idc.compile_model(model) if variant == "infini_dist" else torch.compile(model)
     row = train_curve(model, forward, tokens, args, device, dtype, control)
-    row.update(variant=variant, tokens=tokens, sites=idc.stats["sites"] - sites_before)
+    row.update(variant=variant, tokens=tokens, sites=idc.stats["sites"] - sites_before,
+               site_ops=sorted({d["op"] for d in idc.decisions()}) if variant == "infini_dist"
+               else [])  # the IR ops of each kind of site that ran, forward and backward
     return row
 
 
