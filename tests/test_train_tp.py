@@ -38,12 +38,15 @@ def save_small_llama(path) -> str:
 
 
 def load_tp(path, world):
-    """The model sharded by transformers' TP plan; 5.18+ takes it in a DistributedConfig."""
+    """The model sharded by transformers' TP plan: 5.18+ takes it in a DistributedConfig, older
+    versions (5.17 on the GPU image) as from_pretrained arguments."""
+    import transformers
+    from packaging.version import Version
     from transformers import AutoModelForCausalLM
-    try:
+    if Version(transformers.__version__) >= Version("5.18"):
         from transformers.distributed import DistributedConfig
         kwargs = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)}
-    except ImportError:
+    else:
         kwargs = {"tp_plan": "auto", "tp_size": world}
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
 
