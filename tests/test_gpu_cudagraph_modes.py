@@ -107,7 +107,7 @@ def _llama_steps(report, rank, device, path):
     import infini_dist.compile as idc
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, tp_plan="auto")
-    model.eval()
+    model.to(device).eval()  # transformers 5.17 leaves what the TP plan does not shard on CPU
     compiled = idc.compile_model(model, mode="reduce-overhead")
     sites = idc.stats["sites"]
 
@@ -241,10 +241,13 @@ def test_compile_modes_with_the_pass_from_the_first_call(tmp_path):
         if rep["mismatches"] or rep["rel_err"] > 2e-2:
             problems.append(f"rank {rank} replays: {rep}")
         for key in ("llama_reduce_overhead", "llama_replays"):
-            value = r.get(key, {})
-            errs = value.get("rel_err", {})
+            value = r.get(key) or {}
+            if not value or "error" in value:
+                problems.append(f"rank {rank} {key}: {value}")
+                continue
+            errs = value["rel_err"]
             worst = max(errs.values()) if isinstance(errs, dict) else errs
-            if not value or "error" in value or worst > 3e-2 or value.get("mismatches"):
+            if worst > 3e-2 or value.get("mismatches"):
                 problems.append(f"rank {rank} {key}: {value}")
         if isinstance(r["plain_reduce_overhead"], float) and r["plain_reduce_overhead"] > 1e-3:
             problems.append(f"rank {rank} plain: {r['plain_reduce_overhead']}")
