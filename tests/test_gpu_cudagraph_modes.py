@@ -108,8 +108,8 @@ def _llama_steps(report, rank, device, path):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, tp_plan="auto")
     model.to(device).eval()  # transformers 5.17 leaves what the TP plan does not shard on CPU
-    compiled = idc.compile_model(model, mode="reduce-overhead")
     sites = idc.stats["sites"]
+    compiled = idc.compile_model(model, mode="reduce-overhead")
 
     def ids_for(batch, tokens, salt=0):
         g = torch.Generator().manual_seed(batch * 100 + tokens + salt)
@@ -122,6 +122,8 @@ def _llama_steps(report, rank, device, path):
             ref = model(input_ids=ids, use_cache=False).logits
             outs = [compiled(input_ids=ids, use_cache=False).logits.clone() for _ in range(3)]
             errors[f"{batch}x{tokens}"] = max(_rel(o, ref) for o in outs)
+        # Reported, not required: with transformers 5.17 on torch 2.11 the pass found no
+        # site in these graphs (2026-11-23); finding them is the HF-pattern work of issue 10.
         return {"rel_err": errors, "sites": idc.stats["sites"] - sites,
                 "tree": _tree_counts(device)}
     _step(report, "llama_reduce_overhead", shapes)
@@ -159,6 +161,8 @@ def _rank(rank, world_size, llama_path):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
     os.environ["RANK"] = str(rank)
+    # An FX-graph cache hit skips the post-grad pass, and the site counts would read 0.
+    torch._inductor.config.fx_graph_cache = False
     device = torch.device("cuda", rank)
     from torch._inductor import cudagraph_trees
     import inspect
@@ -233,7 +237,7 @@ def test_compile_modes_with_the_pass_from_the_first_call(tmp_path):
         if "decoder_reduce_overhead" in failed or "decoder_replays" in failed:
             continue
         dec = r["decoder_reduce_overhead"]
-        if max(dec["rel_err"].values()) > 2e-2 or dec["sites"] == 0:
+        if max(dec["rel_err"].values()) > 2e-2 or dec["sites"] == 0 or not dec["choices"]:
             problems.append(f"rank {rank} decoder: {dec}")
         if dec["tree"]["recorded"] == 0:
             problems.append(f"rank {rank}: no CUDA graph recorded: {dec['tree']}")
