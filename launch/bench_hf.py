@@ -81,16 +81,23 @@ def tp_load_kwargs() -> dict:
 def load_tp_model(family: str, args, device, dtype, control):
     """Random weights saved by rank 0, loaded sharded on every rank."""
     from transformers import AutoModelForCausalLM
-    path = [None]
+    path = [None, None]  # the directory, or rank 0's error: the others must not wait for it
     if dist.get_rank() == 0:
-        os.makedirs(args.out, exist_ok=True)
-        path[0] = tempfile.mkdtemp(prefix=f"{family}-", dir=args.out)
-        torch.manual_seed(0)
-        with torch.device(device):  # random init of ~1B parameters is slow on the host
-            model = AutoModelForCausalLM.from_config(make_config(family, args), dtype=dtype)
-        model.save_pretrained(path[0])
-        del model
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            path[0] = tempfile.mkdtemp(prefix=f"{family}-", dir=args.out)
+            torch.manual_seed(0)
+            with torch.device(device):  # random init of ~1B parameters is slow on the host
+                model = AutoModelForCausalLM.from_config(make_config(family, args), dtype=dtype)
+            model.save_pretrained(path[0])
+            del model
+        except Exception as error:  # noqa: BLE001 - raised on every rank below
+            path[1] = f"{type(error).__name__}: {error}"
     dist.broadcast_object_list(path, src=0, group=control)
+    if path[1]:
+        if path[0] and dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+        raise RuntimeError(f"rank 0 could not build and save the {family} model: {path[1]}")
     try:
         model = AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype, **tp_load_kwargs())
     finally:
@@ -124,10 +131,10 @@ def shape_calls(model, compiled: dict, shape: Shape, args, device) -> dict:
         counters = [layer.cumulative_length for layer in cache.layers
                     if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
         starts = [c.clone() for c in counters]
-    graphs = device.type == "cuda" and args.mode == "reduce-overhead"
+    graphs = device.type == "cuda" and args.mode != "default"  # cudagraph trees
 
     def call(fn):
-        if shape.kind == "decode" and counters:
+        if counters:
             torch._foreach_copy_(counters, starts)
         if graphs:  # each call is a new step: the last one's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
