@@ -70,7 +70,7 @@ def make_config(family: str, args):
 
 
 def tp_load_kwargs() -> dict:
-    """transformers >= 5.18 takes the plan in DistributedConfig; 5.17 (the GPU image) as tp_plan=."""
+    """transformers >= 5.18 takes the plan in DistributedConfig; 5.17 (GPU image): tp_plan=."""
     import transformers
     config_class = getattr(transformers, "DistributedConfig", None)
     if config_class is not None and "tp_plan" in inspect.signature(config_class).parameters:
