@@ -28,7 +28,7 @@ from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMe
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
-from infini_dist.scheduler.ops import close_enough
+from infini_dist.scheduler.ops import close_enough, generation
 from infini_dist.scheduler.setup_thread import run_aside
 
 log = logging.getLogger("infini_dist")
@@ -58,9 +58,9 @@ def _device_name(device: torch.device) -> str:
 def _digest(values: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(values):
-        t = values[name].detach().contiguous().cpu()
+        t = values[name].detach().cpu().reshape(-1)  # 1-d: a 0-d tensor has no byte view
         h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
@@ -355,7 +355,7 @@ _EXECUTORS: dict[tuple, GraphExecutor] = {}
 
 def executor_for(graph: SubGraph, settings: Settings | None = None) -> GraphExecutor:
     settings = settings or infini_dist.config.snapshot()
-    key = (graph, settings)
+    key = (graph, settings, generation())  # a re-registered op: built afresh
     executor = _EXECUTORS.get(key)
     if executor is None:
         executor = _EXECUTORS[key] = GraphExecutor(graph, settings)

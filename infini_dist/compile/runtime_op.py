@@ -61,14 +61,14 @@ def subgraph_from_json(text: str) -> SubGraph:
 
 # ---- the op --------------------------------------------------------------------------------------
 
-_EXECUTORS: dict = {}  # (graph text, settings) -> executor: no parsing of the text per call
+_EXECUTORS: dict = {}  # (text, settings, registry generation) -> executor: no parse per call
 
 
 def _executor(text: str):
-    settings = infini_dist.config.snapshot()
-    executor = _EXECUTORS.get((text, settings))
+    key = (text, infini_dist.config.snapshot(), op_registry.generation())  # re-registered: anew
+    executor = _EXECUTORS.get(key)
     if executor is None:
-        executor = _EXECUTORS[(text, settings)] = executor_for(subgraph_from_json(text), settings)
+        executor = _EXECUTORS[key] = executor_for(subgraph_from_json(text), key[1])
     return executor
 
 
@@ -143,7 +143,7 @@ def decisions() -> list[dict]:
     """What each compiled site that ran decided so far (candidates, times, committed choice),
     under whatever settings it ran with."""
     rows = []
-    for (text, _), executor in list(_EXECUTORS.items()):
+    for (text, *_), executor in list(_EXECUTORS.items()):
         for runner in executor.site_runners():
             if runner.last_decision is not None:
                 ops = "+".join(n.op_type for n in executor.graph.nodes)
