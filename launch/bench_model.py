@@ -51,6 +51,8 @@ from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_sha
 
 # ---- measuring ------------------------------------------------------------------------------------
 
+WARMUP_CALLS = 3  # before timing calls that are not our own captured graph
+
 def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".replace("\n", " ")[:400]
 
@@ -74,6 +76,7 @@ class Bench:
         self.cuda = device.type == "cuda"
         # False where the variants bring their own CUDA graphs (mode="reduce-overhead").
         self.capture_graphs = capture and self.cuda
+        self.own_capture = capture
 
     def sync(self):
         if self.cuda:
@@ -117,10 +120,24 @@ class Bench:
         return [start.elapsed_time(end) / 1e3 for start, end in events]
 
     def time_eager(self, fn):
-        fn()
+        """Times calls of fn. Several warm-up calls first: under cudagraph trees the first after
+        the compile call records, and only later ones replay. On CUDA each call sits between two
+        events with no host sync in the loop, so a step's time is the GPU's (host launch time
+        included wherever the GPU waits for the host), as in a decode loop."""
+        for _ in range(WARMUP_CALLS):
+            fn()
         self.sync()
         dist.barrier(group=self.control)
         samples, out = [], None
+        if self.cuda:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(self.args.iters)]
+            for start, end in events:
+                start.record()
+                out = fn()
+                end.record()
+            self.sync()
+            return [start.elapsed_time(end) / 1e3 for start, end in events], out
         for _ in range(self.args.iters):
             begin = time.perf_counter()
             out = fn()
@@ -191,7 +208,8 @@ class Bench:
         except Exception as exc:  # noqa: BLE001
             error, median = _error_text(exc), float("nan")
         error = self.agree(error)
-        row["mode"] = "graph" if graph is not None else "eager"
+        # "calls": fn timed as it is, whatever it runs inside (e.g. torch's own cudagraph trees)
+        row["mode"] = "graph" if graph is not None else ("eager" if self.own_capture else "calls")
         if error:
             row["error"] = f"timing: {error}"
             return row, None
