@@ -281,8 +281,9 @@ def main(argv=None) -> int:
         if args.mode != "default":  # above the target and correctness lines
             missed = [f"{r['shape']} {r['variant']}" for r in family_rows
                       if r.get("cudagraphs") is False]
-            family_lines.insert(len(family_lines) - 2, "cudagraphs replayed: " + (
-                f"NO for {', '.join(missed)} (bench bug on GPU)" if missed else "every compiled row"))
+            replayed = f"NO for {', '.join(missed)} (bench bug on GPU)" if missed \
+                else "every compiled row"
+            family_lines.insert(len(family_lines) - 2, f"cudagraphs replayed: {replayed}")
         lines += ["", f"== {family} =="] + family_lines
         for key, misses in family_verdict.items():
             verdict[key] += [f"{family} {m}" for m in misses]

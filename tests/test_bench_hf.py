@@ -47,8 +47,11 @@ def test_cpu_smoke_llama_tp(tmp_path):
     for (_, shape, variant), row in rows.items():
         assert "error" not in row, row
         assert row["median_us"] > 0 and math.isfinite(row["median_us"])
+        assert row["mode"] == "calls", row  # the bench's own capture is off under --hf
         if variant == "eager":
             continue
+        assert row["cudagraphs"] is False, row  # mode="default": none asked for, none skipped
+        assert "cudagraph_skips" not in row, row
         # fp32: only reordering separates the compiled TP model from eager DTensor
         assert math.isfinite(row["rel_l2_vs_eager"]) and row["rel_l2_vs_eager"] < 1e-4
         assert row["dynamo_graphs"] == 1
