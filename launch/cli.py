@@ -36,6 +36,9 @@ def main(argv=None) -> int:
         if name == "bench":
             p.add_argument("--model", action="store_true",
                            help="the end-to-end TP decoder benchmark (launch/bench_model.py)")
+            p.add_argument("--hf", metavar="FAMILY[,FAMILY]",
+                           help="Hugging Face models under transformers' TP: llama, qwen2, "
+                                "mistral (launch/bench_hf.py)")
             p.add_argument("--train", action="store_true",
                            help="the TP decoder training step benchmark (launch/bench_train.py)")
     args, rest = parser.parse_known_args(argv)
@@ -43,10 +46,13 @@ def main(argv=None) -> int:
     if nproc < 1:
         parser.error("--nproc must be >= 1")
     module = {"demo": "infini_dist.launch.demo", "bench": "infini_dist.launch.bench"}[args.command]
-    if getattr(args, "model", False) and getattr(args, "train", False):
-        parser.error("bench: --model and --train are two benchmarks; pick one")
+    if sum(map(bool, (getattr(args, "model", False), getattr(args, "hf", None),
+                      getattr(args, "train", False)))) > 1:
+        parser.error("bench: one of --model, --hf and --train")
     if getattr(args, "model", False):
         module = "infini_dist.launch.bench_model"
+    if getattr(args, "hf", None):
+        module, rest = "infini_dist.launch.bench_hf", ["--hf", args.hf, *rest]
     if getattr(args, "train", False):
         module = "infini_dist.launch.bench_train"
     return torchrun(module, nproc, rest)
