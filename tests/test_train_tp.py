@@ -38,17 +38,15 @@ def save_small_llama(path) -> str:
 
 
 def load_tp(path, world):
-    """The model sharded by transformers' TP plan: 5.18+ takes it in a DistributedConfig, older
-    versions (5.17 on the GPU image) as from_pretrained arguments."""
-    import transformers
-    from packaging.version import Version
+    """The model sharded by transformers' TP plan, loaded as bench --hf loads it. transformers
+    sizes TP from WORLD_SIZE, which torchrun sets and run_ranks does not."""
+    import os
+
     from transformers import AutoModelForCausalLM
-    if Version(transformers.__version__) >= Version("5.18"):
-        from transformers.distributed import DistributedConfig
-        kwargs = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)}
-    else:
-        kwargs = {"tp_plan": "auto", "tp_size": world}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+
+    from infini_dist.launch.bench_hf import tp_load_kwargs
+    os.environ["WORLD_SIZE"] = str(world)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **tp_load_kwargs())
 
 
 def _local(t):
