@@ -9,6 +9,7 @@ only past the speed-up threshold) -> rank 0's pick broadcast and checked -> comm
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -21,12 +22,13 @@ import torch.distributed as dist
 
 import infini_dist
 from infini_dist.config import Settings
-from infini_dist.scheduler import benchmark
+from infini_dist.scheduler import benchmark, data_plane
 from infini_dist.scheduler.cache import DECISIONS, versions
 from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMeta,
                                            baseline_choice, generate_choices, resolve_group,
                                            run_nodes)
-from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
+from infini_dist.scheduler.control import ControlPlane, control_plane
+from infini_dist.scheduler.data_plane import DataPlaneError
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.ops import close_enough
 
@@ -65,6 +67,28 @@ def _digest(values: dict) -> str:
 
 def _is_unfused(choice: Choice) -> bool:
     return choice.span is None or not choice.span.fuses_anything
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _guarded(run, values: dict):
+    """(call, state): call() runs the choice and records its first failure instead of raising,
+    so a failing rank keeps making the same calls as its peers and the failure is agreed after
+    the timing. After a data-plane failure it stops: every further collective would wait too."""
+    state = {"error": None, "broken": False}
+
+    def call():
+        if state["broken"]:
+            return
+        try:
+            run(values)
+        except DataPlaneError as error:
+            state["error"], state["broken"] = _describe(error), True
+        except Exception as error:  # noqa: BLE001 - agreed on after the timing
+            state["error"] = state["error"] or _describe(error)
+    return call, state
 
 
 class SiteRunner:
@@ -133,9 +157,16 @@ class SiteRunner:
         signature = {"subgraph": self.sub.signature(),
                      "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                                 else (n, repr(v)) for n, v in values.items()]}
-        if plane is not None:
-            plane.agree(signature, "signature", "input shapes and dtypes")
-        choice = self._tune(values, ctx, plane, baseline_only)
+        if plane is None:
+            choice = self._tune(values, ctx, plane, baseline_only)
+        else:
+            # One tuning at a time per plane: threads tuning different sites would interleave
+            # their exchanges. Ranks that order the threads differently fail the signature
+            # check on every rank instead.
+            ctx = dataclasses.replace(ctx, single_host=plane.single_host)
+            with plane.lock:
+                plane.agree(signature, "signature", "input shapes and dtypes")
+                choice = self._tune(values, ctx, plane, baseline_only)
         self._committed[local] = choice
         return choice
 
@@ -164,7 +195,8 @@ class SiteRunner:
             record = plane.broadcast(record if rank0 else None, "cache lookup")
         DECISIONS.count(hit=record is not None)
 
-        choices, meta, reference = self.candidates(values, ctx)
+        choices, meta, reference = self._agreed(plane, "reference run",
+                                                lambda: self.candidates(values, ctx))
         names = [c.name for c in choices]
         if plane is not None:
             plane.agree(names, "choice list", "the set of choices")
@@ -179,6 +211,29 @@ class SiteRunner:
             log.warning("infini_dist: cached choice %r is unavailable; tuning again",
                         record["choice"])
         return self._benchmark(choices, values, reference, meta, ctx, plane, key)
+
+    def _data_timeout(self) -> float:
+        # Half the control timeout: a rank stuck in a collective still reaches the next
+        # control exchange before its peers there give up on it.
+        return self.settings.tuning_timeout_s / 2
+
+    def _agreed(self, plane, step: str, fn):
+        """fn() on every rank; a failure on any rank fails every rank. The failing rank
+        re-raises its own error (a TypeError where torch raises one), its peers a TuningError."""
+        own = None
+        try:
+            with data_plane.bounded(self._data_timeout(), step):
+                result = fn()
+        except Exception as error:  # noqa: BLE001 - agreed on below
+            own = error
+        errors = plane.all_gather(_describe(own) if own else None, step) if plane else [None]
+        if own is not None:
+            raise own
+        failed = [(plane.ranks[r], e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise TuningError(f"infini_dist: tuning failed at step {step!r} on rank "
+                              f"{failed[0][0]}: {failed[0][1]}")
+        return result
 
     def _drop_failed(self, choices, meta, ctx, plane, step) -> list[Choice]:
         def precompile(choice):
@@ -211,8 +266,13 @@ class SiteRunner:
                 if err is not None:
                     failed.setdefault(name, f"rank {rank}: {err}")
         for name, err in failed.items():
+            if DataPlaneError.__name__ in err:
+                raise TuningError(f"infini_dist: tuning stopped at step {step!r}: the ranks' "
+                                  f"collectives went out of step ({err}); the group's data "
+                                  f"plane cannot be trusted until it is rebuilt")
             if name == UNFUSED:
-                raise TuningError(f"infini_dist: the unfused baseline failed ({err})")
+                raise TuningError(f"infini_dist: the unfused baseline failed at step {step!r} "
+                                  f"({err})")
             (log.warning if self.settings.debug_mode else log.info)(
                 "infini_dist: dropping choice %s at %s: %s", name, step, err)
         return [c for c in choices if c.name not in failed]
@@ -240,11 +300,14 @@ class SiteRunner:
             else:
                 return medians
         medians = {}
-        for choice in choices:
-            if plane is not None:
-                plane.barrier(f"time {choice.name}")
-            medians[choice.name] = benchmark.median(benchmark.time_reps(
-                lambda: choice.run(values), ctx.device, s.benchmark_warmup, s.benchmark_reps))
+        for choice in choices:  # the exchange before each one lines the ranks up
+            step = f"time {choice.name}"
+            call, state = _guarded(choice.run, values)
+            with data_plane.bounded(self._data_timeout(), step):
+                times = benchmark.time_reps(call, ctx.device, s.benchmark_warmup,
+                                            s.benchmark_reps)
+            if self._agree_failures([choice], {choice.name: state["error"]}, plane, step):
+                medians[choice.name] = benchmark.median(times)
         return medians
 
     def _benchmark(self, choices, values, reference, meta, ctx, plane, key) -> Choice:
@@ -259,13 +322,14 @@ class SiteRunner:
                 plane.barrier(f"start {choice.name}")
             error, digest = None, None
             try:
-                out = choice.run(values)
+                with data_plane.bounded(self._data_timeout(), f"trial {choice.name}"):
+                    out = choice.run(values)
                 wrong = [n for n in reference if not close_enough(out[n], reference[n])]
                 if wrong:
                     error = f"output {wrong} differs from the unfused baseline"
                 digest = _digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
-                error = f"{type(exc).__name__}: {exc}"
+                error = _describe(exc)
             if not self._agree_failures([choice], {choice.name: error}, plane,
                                         f"trial {choice.name}"):
                 continue
@@ -282,13 +346,11 @@ class SiteRunner:
             medians = timing_hook(dict(medians))
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]
         worst = {n: max(m[n] for m in all_medians) for n in medians}
+        survivors = [c for c in survivors if c.name in medians]
         unfused = {c.name for c in survivors if _is_unfused(c)}
         mine = benchmark.pick(worst, unfused, s.fusion_speedup_threshold)
         if plane is not None:
-            decided = plane.broadcast(mine, "decision")
-            if decided != mine:
-                raise RankMismatchError(f"infini_dist: rank {plane.rank} picked {mine!r} but rank "
-                                        f"{plane.ranks[0]} picked {decided!r}")
+            plane.agree(mine, "decision", "the chosen choice")
         record = {"choice": mine, "times_s": worst, "candidates": [c.name for c in survivors],
                   "subgraph": self.sub.canonical(), "precompile_s": precompile_s,
                   "tuning_s": time.perf_counter() - started}
