@@ -6,7 +6,9 @@ tuning, different inputs) turns into a clear error on the others instead of a ha
 The gloo group is built outside torch's group bookkeeping: `dist.new_group` names its store keys
 from per-process counters, which differ on ranks that were not in an earlier group, so any mix of
 groups could hang at setup. Here the store prefix depends only on the sorted ranks, the timeout
-and how many times this process built a plane for them, which every member counts alike.
+and an epoch kept in the store itself. A rank whose exchange fails abandons the plane and moves
+the epoch on; its peers see the new epoch before their next tuning and rebuild with it, so the
+members of a group meet again even when only some of them saw the failure.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class ControlPlane:
     `lock` serialises whole tunings on this plane: two threads tuning at once would otherwise
     interleave their exchanges."""
 
-    def __init__(self, ranks: tuple[int, ...], timeout_s: float, generation: int):
+    def __init__(self, ranks: tuple[int, ...], timeout_s: float, epoch: int):
         if dist.get_rank() not in ranks:
             raise ValueError(f"infini_dist: rank {dist.get_rank()} is not in group {list(ranks)}")
         self.ranks = ranks
@@ -58,11 +60,10 @@ class ControlPlane:
         self.world_size = len(ranks)
         self.timeout_s = timeout_s
         self.lock = threading.RLock()
-        self.broken = False
+        self.epoch = epoch
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        prefix = f"infini_dist/control/{'-'.join(map(str, ranks))}/{timeout_s!r}/{generation}/"
         try:
-            store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+            store = dist.PrefixStore(f"{_base(ranks, timeout_s)}/{epoch}/", _store())
             self._pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self._timeout)
         except Exception as error:  # the store wait times out when a member never comes
             self._fail("control group setup", error)
@@ -71,7 +72,6 @@ class ControlPlane:
 
     def _fail(self, step: str, error: Exception):
         # A failed exchange may leave an operation pending in gloo: never reuse this plane.
-        self.broken = True
         _forget(self)
         raise ControlPlaneError(
             f"infini_dist: rank {self.rank} of group {list(self.ranks)} failed at step {step!r} "
@@ -116,43 +116,69 @@ class ControlPlane:
 
 
 _PLANES: dict[tuple, ControlPlane] = {}
-_GENERATIONS: dict[tuple, int] = {}  # never reset, so a rebuilt plane gets fresh store keys
 _BROKEN: list[ControlPlane] = []  # kept alive: freeing one joins gloo threads still waiting
-_BUILDING: dict[tuple, threading.Lock] = {}  # one build per key at a time, one generation each
+_BUILDING: dict[tuple, threading.Lock] = {}  # one build per key at a time
 _LOCK = threading.Lock()
 
 
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def _base(ranks, timeout_s) -> str:
+    return f"infini_dist/control/{'-'.join(map(str, ranks))}/{timeout_s!r}"
+
+
+def _epoch(ranks, timeout_s) -> int:
+    return _store().add(f"{_base(ranks, timeout_s)}/epoch", 0)
+
+
 def _forget(plane: ControlPlane) -> None:
+    """Abandon the plane and move its epoch on (only the first of several ranks to abandon
+    one epoch moves it, so they all meet at the next)."""
     with _LOCK:
         key = (plane.ranks, plane.timeout_s)
         if _PLANES.get(key) is plane:
             del _PLANES[key]
         _BROKEN.append(plane)
+    try:
+        _store().compare_set(f"{_base(*key)}/epoch", str(plane.epoch), str(plane.epoch + 1))
+    except Exception:  # noqa: BLE001 - the store is gone: nothing will be rebuilt on it anyway
+        pass
 
 
 def control_plane(group, timeout_s: float) -> ControlPlane:
-    """One control plane per (ranks, timeout), built on first use by exactly the group's ranks."""
+    """One control plane per (ranks, timeout), built on first use by exactly the group's ranks,
+    and rebuilt when a peer abandoned it."""
     ranks = tuple(sorted(dist.get_process_group_ranks(group or dist.group.WORLD)))
     key = (ranks, float(timeout_s))
     with _LOCK:
         building = _BUILDING.setdefault(key, threading.Lock())
     with building:  # not under _LOCK: a build waits for the peers, other groups must not
+        epoch = _epoch(*key)
         with _LOCK:
             plane = _PLANES.get(key)
-            if plane is not None:
-                return plane
-            generation = _GENERATIONS[key] = _GENERATIONS.get(key, -1) + 1
-        plane = ControlPlane(ranks, float(timeout_s), generation)
+        if plane is not None and plane.epoch == epoch:
+            return plane
+        if plane is not None:
+            with _LOCK:
+                _PLANES.pop(key, None)
+                _BROKEN.append(plane)
+        plane = ControlPlane(ranks, float(timeout_s), epoch)
         with _LOCK:
             _PLANES[key] = plane
         return plane
 
 
 def reset_control_planes() -> None:
-    """Forget the control planes (their gloo groups close when freed).
+    """Forget the control planes (their gloo groups close when freed), moving their epochs on.
 
     Call on every rank before `destroy_process_group()`, so that no gloo group outlives the
     store it was built on."""
     with _LOCK:
+        planes = list(_PLANES.values())
         _PLANES.clear()
+    for plane in planes:
+        _forget(plane)
+    with _LOCK:
         _BROKEN.clear()

@@ -117,7 +117,9 @@ class SiteRunner:
         choice = self._committed.get(local)
         if choice is None:
             with self._lock:
-                choice = self._committed.get(local) or self._decide(values, group, local)
+                choice = self._committed.get(local)
+                if choice is None:
+                    return self._decide(values, group, local)
         return choice.run(values)
 
     # ---- deciding ----------------------------------------------------------------------------
@@ -143,7 +145,8 @@ class SiteRunner:
                                    enable_fusion=s.enable_custom_op_fusion)
         return choices, meta, reference
 
-    def _decide(self, values: dict, group, local: tuple) -> Choice:
+    def _decide(self, values: dict, group, local: tuple) -> dict:
+        """Tune, commit, and run the committed choice once: this call's outputs."""
         ctx = self._context(values, group)
         baseline_only = any(isinstance(v, torch.Tensor) and
                             (not v.dtype.is_floating_point or v.numel() == 0)
@@ -151,24 +154,23 @@ class SiteRunner:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             log.warning("infini_dist: no decision for %s before CUDA-graph capture; running the "
                         "unfused baseline (warm up eagerly first)", self.sub.signature()[:12])
-            return self._baseline(ctx)  # never tuned inside a capture, and not committed
+            return self._baseline(ctx).run(values)  # never tuned inside a capture, not committed
         distributed = dist.is_initialized() and ctx.world_size > 1
         plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
         signature = {"subgraph": self.sub.signature(),
                      "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                                 else (n, repr(v)) for n, v in values.items()]}
         if plane is None:
-            choice = self._tune(values, ctx, plane, baseline_only)
-        else:
-            # One tuning at a time per plane: threads tuning different sites would interleave
-            # their exchanges. Ranks that order the threads differently fail the signature
-            # check on every rank instead.
-            ctx = dataclasses.replace(ctx, single_host=plane.single_host)
-            with plane.lock:
-                plane.agree(signature, "signature", "input shapes and dtypes")
-                choice = self._tune(values, ctx, plane, baseline_only)
-        self._committed[local] = choice
-        return choice
+            choice = self._committed[local] = self._tune(values, ctx, plane, baseline_only)
+            return choice.run(values)
+        # One tuning at a time per plane: threads tuning different sites would interleave their
+        # exchanges and collectives (the first run's too). Ranks that order the threads
+        # differently fail the signature check on every rank instead.
+        ctx = dataclasses.replace(ctx, single_host=plane.single_host)
+        with plane.lock:
+            plane.agree(signature, "signature", "input shapes and dtypes")
+            choice = self._committed[local] = self._tune(values, ctx, plane, baseline_only)
+            return choice.run(values)
 
     def _baseline(self, ctx):
         choice = baseline_choice(self.graph, self.site)
@@ -343,7 +345,7 @@ class SiteRunner:
             survivors.append(choice)
         medians = self._time(survivors, values, ctx, plane)
         if timing_hook is not None:
-            medians = timing_hook(dict(medians))
+            medians = self._agreed(plane, "vote", lambda: timing_hook(dict(medians)))
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]
         worst = {n: max(m[n] for m in all_medians) for n in medians}
         survivors = [c for c in survivors if c.name in medians]
