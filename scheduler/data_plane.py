@@ -51,3 +51,25 @@ def all_reduce(tensor: torch.Tensor, group) -> None:
             f"infini_dist: rank {dist.get_rank()}: a data-plane all_reduce at tuning step "
             f"{step!r} did not complete within {timeout_s:.0f}s; a peer failed or left the "
             f"lockstep, and the group's collectives are out of step. Cause: {error}") from error
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def guarded(run, values: dict):
+    """(call, state): call() runs the choice and records its first failure instead of raising,
+    so a failing rank keeps making the same calls as its peers and the failure is agreed after
+    the timing. After a data-plane failure it stops: every further collective would wait too."""
+    state = {"error": None, "broken": False}
+
+    def call():
+        if state["broken"]:
+            return
+        try:
+            run(values)
+        except DataPlaneError as error:
+            state["error"], state["broken"] = describe(error), True
+        except Exception as error:  # noqa: BLE001 - agreed on after the timing
+            state["error"] = state["error"] or describe(error)
+    return call, state

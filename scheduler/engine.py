@@ -28,7 +28,7 @@ from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMe
                                            baseline_choice, generate_choices, resolve_group,
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, control_plane
-from infini_dist.scheduler.data_plane import DataPlaneError
+from infini_dist.scheduler.data_plane import DataPlaneError, describe, guarded
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.ops import close_enough
 
@@ -67,28 +67,6 @@ def _digest(values: dict) -> str:
 
 def _is_unfused(choice: Choice) -> bool:
     return choice.span is None or not choice.span.fuses_anything
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-def _guarded(run, values: dict):
-    """(call, state): call() runs the choice and records its first failure instead of raising,
-    so a failing rank keeps making the same calls as its peers and the failure is agreed after
-    the timing. After a data-plane failure it stops: every further collective would wait too."""
-    state = {"error": None, "broken": False}
-
-    def call():
-        if state["broken"]:
-            return
-        try:
-            run(values)
-        except DataPlaneError as error:
-            state["error"], state["broken"] = _describe(error), True
-        except Exception as error:  # noqa: BLE001 - agreed on after the timing
-            state["error"] = state["error"] or _describe(error)
-    return call, state
 
 
 class SiteRunner:
@@ -228,7 +206,7 @@ class SiteRunner:
                 result = fn()
         except Exception as error:  # noqa: BLE001 - agreed on below
             own = error
-        errors = plane.all_gather(_describe(own) if own else None, step) if plane else [None]
+        errors = plane.all_gather(describe(own) if own else None, step) if plane else [None]
         if own is not None:
             raise own
         failed = [(plane.ranks[r], e) for r, e in enumerate(errors) if e is not None]
@@ -243,7 +221,7 @@ class SiteRunner:
                 choice.precompile(meta, ctx)
                 return None
             except Exception as error:  # any failure just removes the choice
-                return f"{type(error).__name__}: {error}"
+                return describe(error)
         threads = min(self.settings.max_autotune_threads, max(1, len(choices)))
         if os.environ.get("TRITON_INTERPRET") == "1":
             threads = 1  # the interpreter patches triton.language while a kernel runs
@@ -304,7 +282,7 @@ class SiteRunner:
         medians = {}
         for choice in choices:  # the exchange before each one lines the ranks up
             step = f"time {choice.name}"
-            call, state = _guarded(choice.run, values)
+            call, state = guarded(choice.run, values)
             with data_plane.bounded(self._data_timeout(), step):
                 times = benchmark.time_reps(call, ctx.device, s.benchmark_warmup,
                                             s.benchmark_reps)
@@ -331,7 +309,7 @@ class SiteRunner:
                     error = f"output {wrong} differs from the unfused baseline"
                 digest = _digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
-                error = _describe(exc)
+                error = describe(exc)
             if not self._agree_failures([choice], {choice.name: error}, plane,
                                         f"trial {choice.name}"):
                 continue
