@@ -9,6 +9,7 @@ only past the speed-up threshold) -> rank 0's pick broadcast and checked -> comm
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -31,6 +32,7 @@ from infini_dist.scheduler.control import ControlPlane, control_plane
 from infini_dist.scheduler.data_plane import DataPlaneError, describe, guarded
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.ops import close_enough
+from infini_dist.scheduler.setup_thread import run_aside
 
 log = logging.getLogger("infini_dist")
 
@@ -124,7 +126,7 @@ class SiteRunner:
         return choices, meta, reference
 
     def _decide(self, values: dict, group, local: tuple) -> dict:
-        """Tune, commit, and run the committed choice once: this call's outputs."""
+        """Tune and commit; this call's outputs from the committed choice."""
         ctx = self._context(values, group)
         baseline_only = any(isinstance(v, torch.Tensor) and
                             (not v.dtype.is_floating_point or v.numel() == 0)
@@ -135,20 +137,30 @@ class SiteRunner:
             return self._baseline(ctx).run(values)  # never tuned inside a capture, not committed
         distributed = dist.is_initialized() and ctx.world_size > 1
         plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
+        if plane is not None:
+            ctx = dataclasses.replace(ctx, single_host=plane.single_host)
+        # One tuning at a time per plane, this call's run included: threads tuning different
+        # sites would interleave their exchanges and collectives. Ranks that order the threads
+        # differently fail the signature check on every rank instead.
+        with plane.lock if plane is not None else contextlib.nullcontext():
+            # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
+            choice = run_aside(lambda: self._decide_aside(values, ctx, plane, baseline_only),
+                               ctx.device)
+            self._committed[local] = choice
+            return choice.run(values)
+
+    def _decide_aside(self, values: dict, ctx: RunContext, plane: ControlPlane | None,
+                      baseline_only: bool) -> Choice:
         signature = {"subgraph": self.sub.signature(),
                      "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                                 else (n, repr(v)) for n, v in values.items()]}
-        if plane is None:
-            choice = self._committed[local] = self._tune(values, ctx, plane, baseline_only)
-            return choice.run(values)
-        # One tuning at a time per plane: threads tuning different sites would interleave their
-        # exchanges and collectives (the first run's too). Ranks that order the threads
-        # differently fail the signature check on every rank instead.
-        ctx = dataclasses.replace(ctx, single_host=plane.single_host)
-        with plane.lock:
+        if plane is not None:
             plane.agree(signature, "signature", "input shapes and dtypes")
-            choice = self._committed[local] = self._tune(values, ctx, plane, baseline_only)
-            return choice.run(values)
+        choice = self._tune(values, ctx, plane, baseline_only)
+        # The committed choice's first call (collective setup after a cache hit: symmetric
+        # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank.
+        choice.run(values)
+        return choice
 
     def _baseline(self, ctx):
         choice = baseline_choice(self.graph, self.site)
