@@ -255,13 +255,15 @@ class SiteRunner:
         failed = {}
         for rank, errs in enumerate(gathered):
             for name, err in errs.items():
-                if err is not None:
-                    failed.setdefault(name, f"rank {rank}: {err}")
+                if err is None:
+                    continue
+                if err.startswith(DataPlaneError.__name__):  # whichever rank reported it
+                    raise TuningError(f"infini_dist: tuning stopped at step {step!r}: the "
+                                      f"ranks' collectives went out of step (rank {rank}: "
+                                      f"{err}); the group's data plane cannot be trusted until "
+                                      f"it is rebuilt")
+                failed.setdefault(name, f"rank {rank}: {err}")
         for name, err in failed.items():
-            if DataPlaneError.__name__ in err:
-                raise TuningError(f"infini_dist: tuning stopped at step {step!r}: the ranks' "
-                                  f"collectives went out of step ({err}); the group's data "
-                                  f"plane cannot be trusted until it is rebuilt")
             if name == UNFUSED:
                 raise TuningError(f"infini_dist: the unfused baseline failed at step {step!r} "
                                   f"({err})")

@@ -71,6 +71,7 @@ def trial_loop(rank, world_size, trials, seed):
         if rank == 0:
             summaries.append({"trial": t, "members": members, "fault": repr(fault),
                               "outcomes": [r["outcome"] for r in rows],
+                              "messages": [r["message"][:300] for r in rows],
                               "choices": sorted({r["message"] for r in rows
                                                  if r["outcome"] == "ok"}),
                               "seconds": max(r["seconds"] for r in rows),
@@ -78,12 +79,19 @@ def trial_loop(rank, world_size, trials, seed):
     return summaries
 
 
+def _divergent(s):
+    ok = [o == "ok" for o in s["outcomes"]]
+    return (any(ok) and not all(ok)) or len(s["choices"]) > 1
+
+
+def _hang(s):
+    return s["seconds"] > TIMEOUT_S + SLACK_S
+
+
 def summarize(summaries: list[dict]) -> dict:
-    def divergent(s):
-        ok = [o == "ok" for o in s["outcomes"]]
-        return (any(ok) and not all(ok)) or len(s["choices"]) > 1
+    divergent, hang = _divergent, _hang
     return {"trials": len(summaries),
-            "hangs": sum(s["seconds"] > TIMEOUT_S + SLACK_S for s in summaries),
+            "hangs": sum(hang(s) for s in summaries),
             "divergent": sum(divergent(s) for s in summaries),
             "wrong": sum("WRONG" in s["outcomes"] for s in summaries),
             "committed": sum(all(o == "ok" for o in s["outcomes"]) for s in summaries),
@@ -104,7 +112,7 @@ def run(trials: int, seed: int = 0, world_sizes=(2, 3, 4)) -> dict:
         try:
             summaries = run_ranks(trial_loop, world_size, count, seed, timeout=budget)[0]
             result[world_size] = dict(summarize(summaries), details=[
-                s for s in summaries if s["fault"] == "None" or s["outcomes"][0] != "ok"][:3])
+                s for s in summaries if _divergent(s) or _hang(s)][:5])
         except (TimeoutError, RuntimeError) as error:
             result[world_size] = {"trials": count, "hangs": "run did not finish",
                                   "error": str(error)[-2000:]}

@@ -69,6 +69,8 @@ TUNING_FAULTS = [
     (dict(step="trial", before=True), "TuningError"),
     (dict(step="warmup", before=True), "TuningError"),
     (dict(step="rep", rep=2, before=True), "TuningError"),
+    # the last rep on rank 0: only a peer sees the data-plane timeout, and that must count
+    (dict(step="rep", rep=3, before=True, ranks=(0,)), "TuningError"),
 ]
 
 
