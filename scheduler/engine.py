@@ -257,7 +257,7 @@ class SiteRunner:
             for name, err in errs.items():
                 if err is None:
                     continue
-                if err.startswith(DataPlaneError.__name__):  # whichever rank reported it
+                if DataPlaneError.__name__ in err:  # whichever rank reported it
                     raise TuningError(f"infini_dist: tuning stopped at step {step!r}: the "
                                       f"ranks' collectives went out of step (rank {rank}: "
                                       f"{err}); the group's data plane cannot be trusted until "
