@@ -119,6 +119,28 @@ def test_a_rank_that_dies_while_tuning_gives_its_peers_a_clear_error(world_size,
     _check(repr(Fault(**fault_args)), world_size, rows, "ControlPlaneError")
 
 
+def absent_then_back(rank, world_size):
+    import infini_dist
+    from infini_dist.scheduler.cache import DECISIONS
+    rows = []
+    for i, present in enumerate((True, rank == 0, True)):
+        DECISIONS.clear()
+        settings = _settings(cache_dir=os.path.join(infini_dist.config.cache_dir, str(i)))
+        if present:
+            rows.append(tune_and_record(rank, None, list(range(world_size)), settings))
+        else:  # skips the call: rank 0 fails alone and abandons the plane
+            time.sleep(TIMEOUT_S + 2)
+            rows.append(None)
+    return rows
+
+
+def test_a_group_meets_again_after_a_rank_skipped_a_tuning():
+    results = run_ranks(absent_then_back, 2, timeout=180)
+    _check("tuned", 2, [r[0] for r in results], "ok")
+    assert results[0][1]["outcome"] == "ControlPlaneError" and results[1][1] is None
+    _check("rank 0 alone, then both again", 2, [r[2] for r in results], "ok")
+
+
 # ---- item 5: any sequence of calls on any groups ----------------------------------------------
 def group_sequence(rank, world_size, layout):
     import torch.distributed as dist
