@@ -37,6 +37,9 @@ class RunContext:
     world_size: int
     rank: int
     device: torch.device
+    # Every rank of the group on one host (the control plane compares host ids). NVLink-only
+    # algorithms need it; default True where there is no group to ask.
+    single_host: bool = True
 
 
 def resolve_group(name: str | None, default=None):

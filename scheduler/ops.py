@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from infini_dist.scheduler import data_plane
 
 # kind -> where such an op may fuse around an anchor
 FUSION_RULES: dict[str, frozenset[str]] = {
@@ -137,7 +138,7 @@ def all_reduce(*tensors, group=None, op: str = "sum", group_name: str | None = N
     outs = []
     for t in tensors:
         out = t.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
+        data_plane.all_reduce(out, group)
         outs.append(out)
     return tuple(outs)
 

@@ -8,8 +8,7 @@ it is registered for CPU tensors, where gloo is the collective.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-
+from infini_dist.scheduler import data_plane
 from infini_dist.scheduler.choices import Algorithm, register_algorithm, run_nodes
 
 
@@ -32,7 +31,7 @@ class TorchFusedAllReduce(Algorithm):
             run_nodes(graph, span.prologue, local, ctx)
             sources = [local[n] for node in anchors for n in node.inputs]
             packed = torch.cat([s.reshape(-1) for s in sources])  # a fresh, contiguous buffer
-            dist.all_reduce(packed, group=ctx.group)
+            data_plane.all_reduce(packed, ctx.group)
             offset = 0
             for node in anchors:
                 for name_in, name_out in zip(node.inputs, node.outputs):
