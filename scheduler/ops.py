@@ -1,7 +1,10 @@
-"""The op registry: a torch reference for every op, and the rule table of what may fuse where.
+"""The op registry: per op a torch reference and a native implementation, and the rule table of
+what may fuse where.
 
 References compute in fp32 and round once to the input dtype, the same contract our fused kernels
-keep, so a fused choice can be checked against the unfused baseline.
+keep: they give the expected outputs every choice is checked against, and are never timed.
+Native implementations are the ops as the user's own torch code runs them, in the input dtype:
+the `native` choice every fused one has to beat.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class OpSpec:
     num_inputs: int | None = None
     outputs_per_input: bool = False  # all_reduce: one output per (coalesced) input
     implementations: dict[str, Callable] = field(default_factory=dict, compare=False, hash=False)
+    native: Callable | None = field(default=None, compare=False, hash=False)  # None: fn
 
     @property
     def is_anchor(self) -> bool:
@@ -44,8 +48,9 @@ _REGISTRY: dict[str, OpSpec] = {}
 def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: int = 1,
                 num_inputs: int | None = None,
                 implementations: dict[str, Callable] | None = None,
-                replace: bool = False) -> OpSpec:
-    """Register an op. `fn(*tensors, **attrs)` is its reference.
+                native: Callable | None = None, replace: bool = False) -> OpSpec:
+    """Register an op. `fn(*tensors, **attrs)` is its reference; `native` (same signature) is how
+    the user's own code computes it, if that differs from `fn`.
 
     Give `implementations` ({name: fn}) to make it a deferred-choice site: each implementation is
     a choice, and so is each implementation with its epilogue chain fused after it.
@@ -60,14 +65,18 @@ def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: i
         for impl_name, impl in implementations.items():
             if not callable(impl):
                 raise TypeError(f"op {name!r}: implementation {impl_name!r} is not callable")
+    if native is not None and not callable(native):
+        raise TypeError(f"op {name!r}: native must be callable")
     if kind not in FUSION_RULES:
         raise ValueError(f"op {name!r}: kind must be one of {sorted(FUSION_RULES)}, got {kind!r}")
     if name in _REGISTRY and not replace:
         existing = _REGISTRY[name]
-        if existing.fn is fn and existing.implementations == (implementations or {}):
+        if (existing.fn is fn and existing.native is native
+                and existing.implementations == (implementations or {})):
             return existing
         raise ValueError(f"op {name!r} is already registered; pass replace=True to override")
-    spec = OpSpec(name, fn, kind, num_outputs, num_inputs, False, dict(implementations or {}))
+    spec = OpSpec(name, fn, kind, num_outputs, num_inputs, False, dict(implementations or {}),
+                  native)
     _REGISTRY[name] = spec
     return spec
 
@@ -89,12 +98,14 @@ def may_fuse(op_type: str, position: str) -> bool:
     return spec is not None and position in FUSION_RULES[spec.kind]
 
 
-def run_node(op_type: str, tensors: list, attrs: dict, group=None) -> tuple:
+def run_node(op_type: str, tensors: list, attrs: dict, group=None, native: bool = False) -> tuple:
+    """One node through its reference, or through its native implementation."""
     spec = get_op(op_type)
+    fn = spec.native or spec.fn if native else spec.fn
     if spec.kind == "collective":
-        result = spec.fn(*tensors, group=group, **attrs)
+        result = fn(*tensors, group=group, **attrs)
     else:
-        result = spec.fn(*tensors, **attrs)
+        result = fn(*tensors, **attrs)
     return result if isinstance(result, tuple) else (result,)
 
 
@@ -173,8 +184,24 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
+# ---- native implementations (the elementwise ones are the undecorated functions above) ---------
+
+def native_rms_norm(x, weight, eps: float = 1e-6):
+    """torch's own RMSNorm. Our IR keeps the input dtype, so a weight of another dtype is cast
+    first (torch would otherwise leave its fused kernel)."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def native_add_rms_norm(x, residual, weight, eps: float = 1e-6):
+    """What a decoder layer writes: the residual sum in the input dtype, then torch's RMSNorm."""
+    total = x + residual
+    return native_rms_norm(total, weight, eps), total
+
+
 def _elementwise(name, fn, num_inputs):
-    register_op(name, _fp32(fn), kind="elementwise", num_inputs=num_inputs)
+    register_op(name, _fp32(fn), kind="elementwise", num_inputs=num_inputs, native=fn)
 
 
 _REGISTRY["all_reduce"] = OpSpec("all_reduce", all_reduce, "collective", outputs_per_input=True)
@@ -186,13 +213,14 @@ _elementwise("silu", silu, 1)
 _elementwise("gelu", gelu, 1)
 _elementwise("sigmoid", sigmoid, 1)
 _elementwise("swiglu", swiglu, 2)
-register_op("rms_norm", rms_norm, kind="rowwise", num_inputs=2)
-register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outputs=2)
+register_op("rms_norm", rms_norm, kind="rowwise", num_inputs=2, native=native_rms_norm)
+register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outputs=2,
+            native=native_add_rms_norm)
 
-# How far a choice may sit from the unfused baseline. Both sides round: the baseline once per
-# op (and NCCL in bf16 once per reduction step), a fused kernel once at the end, so the check is
-# on the relative L2 error, plus a per-element bound against the tensor's scale that still
-# catches a wrong or unwritten row in a large tensor.
+# How far a choice may sit from the fp32 reference. All sides round: the reference once per op,
+# native torch at every intermediate too (and NCCL in bf16 once per reduction step), a fused
+# kernel once at the end, so the check is on the relative L2 error, plus a per-element bound
+# against the tensor's scale that still catches a wrong or unwritten row in a large tensor.
 TOLERANCE = {  # dtype: (relative L2, max element error / max |reference|)
     torch.float64: (1e-9, 1e-8), torch.float32: (1e-5, 1e-4),
     torch.float16: (5e-3, 2e-2), torch.bfloat16: (1e-2, 5e-2),

@@ -6,7 +6,8 @@
 compiled code (and Inductor's FX graph cache) carries the site itself, identical on every rank:
 no registry has to be filled before a cached graph can run. At run time the engine tunes the site
 across its group on the first call per input signature and runs the committed choice after that;
-under CUDA-graph capture without a decision it runs the unfused baseline (SiteRunner._decide).
+under CUDA-graph capture without a decision it runs natively in eager torch (SiteRunner._decide).
+The site's `native` choice is Inductor's own code for it (scheduler/native_inductor.py).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _executor(text: str):
     settings = infini_dist.config.snapshot()
     executor = _EXECUTORS.get((text, settings))
     if executor is None:
-        executor = _EXECUTORS[(text, settings)] = executor_for(subgraph_from_json(text), settings)
+        executor = _EXECUTORS[(text, settings)] = executor_for(subgraph_from_json(text), settings,
+                                                               compiled=True)
     return executor
 
 
