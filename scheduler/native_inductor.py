@@ -55,8 +55,17 @@ def compiled_epilogue(nodes, inputs, outputs, metas):
                 spec = op_registry.get_op(node.op_type)
                 steps.append((spec.native or spec.fn, node.inputs, node.outputs, node.attr_dict))
             plain = _epilogue_function(steps, inputs, outputs, f"native_epilogue_{len(_COMPILED)}")
-            fn = _COMPILED[key] = torch.compile(plain, fullgraph=True, dynamic=False)
+            # No post-grad passes: ours has no collective to find here, and a user's own were
+            # written for their graphs, not for this one.
+            fn = _COMPILED[key] = torch.compile(plain, fullgraph=True, dynamic=False,
+                                                options={"post_grad_custom_post_pass": None})
     return fn
+
+
+def epilogues_compiled() -> int:
+    """How many native epilogues were handed to torch.compile in this process (each is one
+    Dynamo graph once it runs): reports subtract them from the user's own graph count."""
+    return len(_COMPILED)
 
 
 def _capturing() -> bool:
