@@ -18,7 +18,7 @@ Each is timed under CUDA-graph replay: median per step, max over ranks. We captu
 ourselves (torch.cuda.graph) instead of using mode="reduce-overhead": every variant, eager
 included, is then measured the same way; the first call of each shape, where infini_dist tunes
 its sites across the ranks, certainly runs outside any capture (the engine does not tune inside
-one and would run its unfused baseline); and cudagraph trees leave out graphs that mutate inputs
+one and would run natively in eager torch); and cudagraph trees leave out graphs that mutate inputs
 that are not parameters, like the KV cache here. A compile or capture failure becomes a table
 entry (a capture failure falls back to eager timing), never the end of the run.
 
