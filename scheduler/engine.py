@@ -127,7 +127,7 @@ class SiteRunner:
 
     def _decide(self, values: dict, group, local: tuple) -> Choice:
         ctx = self._context(values, group)
-        native_only = any(isinstance(v, torch.Tensor) and
+        baseline_only = any(isinstance(v, torch.Tensor) and
                             (not v.dtype.is_floating_point or v.numel() == 0)
                             for v in values.values())
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -141,7 +141,7 @@ class SiteRunner:
                                 else (n, repr(v)) for n, v in values.items()]}
         if plane is not None:
             plane.agree(signature, "signature", "input shapes and dtypes")
-        choice = self._tune(values, ctx, plane, native_only)
+        choice = self._tune(values, ctx, plane, baseline_only)
         self._committed[local] = choice
         return choice
 
@@ -161,9 +161,9 @@ class SiteRunner:
     def _native_path(self) -> str:
         return "inductor" if self.compiled else "eager"
 
-    def _tune(self, values, ctx, plane: ControlPlane | None, native_only: bool) -> Choice:
+    def _tune(self, values, ctx, plane: ControlPlane | None, baseline_only: bool) -> Choice:
         s = self.settings
-        if native_only:
+        if baseline_only:
             log.debug("infini_dist: int or empty input for %s: native", self.sub)
             return self._native(ctx)
         key = self._key(values, ctx)

@@ -26,7 +26,8 @@ from infini_dist.scheduler.ir import external_inputs, live_outputs
 
 log = logging.getLogger("infini_dist")
 
-_COMPILED: dict[tuple, object] = {}  # (epilogue nodes, inputs, outputs, metas) -> compiled fn
+# (epilogue nodes, inputs, outputs, metas) -> compiled fn, or None where compiling failed
+_COMPILED: dict[tuple, object] = {}
 _LOCK = threading.Lock()
 
 
@@ -44,22 +45,32 @@ def _epilogue_function(steps, inputs, outputs, name):
     return types.FunctionType(code, epilogue.__globals__, name, None, epilogue.__closure__)
 
 
-def compiled_epilogue(nodes, inputs, outputs, metas):
-    """The torch.compile'd native epilogue for these nodes and input metadata (made once)."""
-    key = (tuple(nodes), tuple(inputs), tuple(outputs), tuple(metas))
+def epilogue_key(nodes, inputs, outputs, metas) -> tuple:
+    return tuple(nodes), tuple(inputs), tuple(outputs), tuple(metas)
+
+
+def compiled_epilogue(key: tuple):
+    """The torch.compile'd native epilogue for this `epilogue_key` (made once; None if it
+    failed to compile before)."""
+    nodes, inputs, outputs, _ = key
     with _LOCK:
-        fn = _COMPILED.get(key)
-        if fn is None:
-            steps = []
-            for node in nodes:
-                spec = op_registry.get_op(node.op_type)
-                steps.append((spec.native or spec.fn, node.inputs, node.outputs, node.attr_dict))
-            plain = _epilogue_function(steps, inputs, outputs, f"native_epilogue_{len(_COMPILED)}")
-            # No post-grad passes: ours has no collective to find here, and a user's own were
-            # written for their graphs, not for this one.
-            fn = _COMPILED[key] = torch.compile(plain, fullgraph=True, dynamic=False,
-                                                options={"post_grad_custom_post_pass": None})
-    return fn
+        if key in _COMPILED:
+            return _COMPILED[key]
+        steps = []
+        for node in nodes:
+            spec = op_registry.get_op(node.op_type)
+            steps.append((spec.native or spec.fn, node.inputs, node.outputs, node.attr_dict))
+        plain = _epilogue_function(steps, inputs, outputs, f"native_epilogue_{len(_COMPILED)}")
+        # No post-grad passes: ours has no collective to find here, and a user's own were
+        # written for their graphs, not for this one.
+        fn = _COMPILED[key] = torch.compile(plain, fullgraph=True, dynamic=False,
+                                            options={"post_grad_custom_post_pass": None})
+        return fn
+
+
+def _failed(key: tuple) -> None:
+    with _LOCK:
+        _COMPILED[key] = None
 
 
 def epilogues_compiled() -> int:
@@ -81,14 +92,16 @@ class InductorNativeChoice(Choice):
         self.epilogue_inputs = external_inputs(graph, site.epilogue)
         self.epilogue_outputs = live_outputs(graph, site.epilogue)
         self._compiled = None
+        self._key = None
         self._ready: set[tuple] = set()  # input shapes the compiled code has run with
 
     def precompile(self, meta, ctx) -> None:
         super().precompile(meta, ctx)
         if self.site.epilogue:
-            self._compiled = compiled_epilogue(
-                [self.graph.nodes[i] for i in self.site.epilogue], self.epilogue_inputs,
-                self.epilogue_outputs, [meta[n] for n in self.epilogue_inputs])
+            self._key = epilogue_key([self.graph.nodes[i] for i in self.site.epilogue],
+                                     self.epilogue_inputs, self.epilogue_outputs,
+                                     [meta[n] for n in self.epilogue_inputs])
+            self._compiled = compiled_epilogue(self._key)
 
     @property
     def uses_inductor(self) -> bool:
@@ -118,6 +131,7 @@ class InductorNativeChoice(Choice):
                             "%s (%s: %s); running it in eager torch", self.name,
                             type(error).__name__, error)
                 self._compiled = None
+                _failed(self._key)
         env = dict(zip(self.epilogue_inputs, values))
         run_nodes(self.graph, self.site.epilogue, env, self._ctx, native=True)
         return tuple(env[n] for n in self.epilogue_outputs)

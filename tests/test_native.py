@@ -194,3 +194,57 @@ def test_compiled_site_native_is_inductors_epilogue(tmp_path):
         assert r["err"] < 1e-5 and r["err_h"] < 1e-5
         assert torch.equal(r["out"], r["again"])
     assert torch.equal(r0["out"], r1["out"])
+
+
+# ---- the compiled-site native choice's fallbacks (single process, nothing reaches Inductor) ----
+
+def _custom_anchor_site(epilogue_op):
+    from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+    ops.register_op("test_native_matmul", lambda a, b: a @ b, num_inputs=2,
+                    implementations={"mm": torch.mm}, replace=True)
+    graph = SubGraph((OpNode("test_native_matmul", ("a", "b"), ("c",)),
+                      OpNode(epilogue_op, ("c",), ("d",)),
+                      OpNode("scale", ("d",), ("e",), {"scale": 3.0})), ("a", "b"), ("e",))
+    (site,) = find_sites(graph)
+    g = torch.Generator().manual_seed(3)
+    inputs = {"a": torch.randn(4, 8, generator=g), "b": torch.randn(8, 8, generator=g)}
+    return graph, site, inputs
+
+
+def _compiled_native(graph, site, inputs):
+    from infini_dist.scheduler.choices import RunContext, TensorMeta, native_choice, run_nodes
+    ctx = RunContext(None, 1, 0, torch.device("cpu"))
+    env = dict(inputs)
+    run_nodes(graph, site.region, env, ctx, native=True)
+    choice = native_choice(graph, site, compiled=True)
+    choice.precompile({n: TensorMeta.of(v) for n, v in env.items()}, ctx)
+    return choice, env["e"]
+
+
+def test_compiled_native_that_cannot_compile_runs_eager_torch_once_warned(caplog):
+    def breaks_graph(x):
+        torch._dynamo.graph_break()  # fullgraph=True refuses this before Inductor sees it
+        return torch.relu(x)
+
+    ops.register_op("test_native_breaks", breaks_graph, kind="elementwise", replace=True)
+    graph, site, inputs = _custom_anchor_site("test_native_breaks")
+    choice, expected = _compiled_native(graph, site, inputs)
+    assert choice.name == "native" and choice.uses_inductor
+    with caplog.at_level("WARNING", logger="infini_dist"):
+        out = choice.run(inputs)["e"]
+    assert torch.equal(out, expected)
+    assert not choice.uses_inductor and "could not compile" in caplog.text
+    again, _ = _compiled_native(graph, site, inputs)  # the failure is remembered: no retry
+    assert not again.uses_inductor and torch.equal(again.run(inputs)["e"], expected)
+
+
+def test_compiled_native_never_compiles_under_cuda_graph_capture(monkeypatch):
+    from infini_dist.scheduler import native_inductor
+    graph, site, inputs = _custom_anchor_site("relu")
+    choice, expected = _compiled_native(graph, site, inputs)
+
+    def must_not_run(*values):
+        raise AssertionError("compiled under capture")
+    monkeypatch.setattr(choice, "_compiled", must_not_run)
+    monkeypatch.setattr(native_inductor, "_capturing", lambda: True)
+    assert torch.equal(choice.run(inputs)["e"], expected)  # eager torch instead
