@@ -51,6 +51,8 @@ from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_sha
 
 # ---- measuring ------------------------------------------------------------------------------------
 
+WARMUP_CALLS = 3  # before timing calls that are not our own captured graph
+
 def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".replace("\n", " ")[:400]
 
@@ -69,9 +71,12 @@ class _Warnings(logging.Handler):
 class Bench:
     """Runs, times and checks one variant at one shape; all cross-rank agreement over gloo."""
 
-    def __init__(self, args, device, control):
+    def __init__(self, args, device, control, capture: bool = True):
         self.args, self.device, self.control = args, device, control
         self.cuda = device.type == "cuda"
+        # False where the variants bring their own CUDA graphs (mode="reduce-overhead").
+        self.capture_graphs = capture and self.cuda
+        self.own_capture = capture
 
     def sync(self):
         if self.cuda:
@@ -115,10 +120,24 @@ class Bench:
         return [start.elapsed_time(end) / 1e3 for start, end in events]
 
     def time_eager(self, fn):
-        fn()
+        """Times calls of fn. Several warm-up calls first: under cudagraph trees the first after
+        the compile call records, and only later ones replay. On CUDA each call sits between two
+        events with no host sync in the loop, so a step's time is the GPU's (host launch time
+        included wherever the GPU waits for the host), as in a decode loop."""
+        for _ in range(WARMUP_CALLS):
+            fn()
         self.sync()
         dist.barrier(group=self.control)
         samples, out = [], None
+        if self.cuda:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(self.args.iters)]
+            for start, end in events:
+                start.record()
+                out = fn()
+                end.record()
+            self.sync()
+            return [start.elapsed_time(end) / 1e3 for start, end in events], out
         for _ in range(self.args.iters):
             begin = time.perf_counter()
             out = fn()
@@ -167,7 +186,7 @@ class Bench:
             row["pass_graphs"] = idc.stats["graphs"] - pass_graphs
             row["decisions"] = summarize(idc.decisions())
         graph, out = None, None
-        if self.cuda:
+        if self.capture_graphs:
             error = None
             try:
                 with torch.no_grad():
@@ -193,7 +212,8 @@ class Bench:
         except Exception as exc:  # noqa: BLE001
             error, median = _error_text(exc), float("nan")
         error = self.agree(error)
-        row["mode"] = "graph" if graph is not None else "eager"
+        # "calls": fn timed as it is, whatever it runs inside (e.g. torch's own cudagraph trees)
+        row["mode"] = "graph" if graph is not None else ("eager" if self.own_capture else "calls")
         if error:
             row["error"] = f"timing: {error}"
             return row, None
@@ -208,12 +228,21 @@ class Bench:
 
 
 def bench_shape(bench: Bench, model: Decoder, compiled: dict, shape: Shape, dtype) -> list[dict]:
-    args = bench.args
     x, pos, caches = make_inputs(model.cfg, model, shape, bench.device, dtype)
     calls = {"eager": lambda: model(x, pos, caches, eager_nccl=True)}
     calls.update({v: (lambda f=f: f(x, pos, caches)) for v, f in compiled.items()})
+    rows = run_shape(bench, shape, calls)
+    del x, pos, caches
+    if bench.cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_shape(bench: Bench, shape: Shape, calls: dict) -> list[dict]:
+    """Every variant of `calls` (name -> call returning the output) at one shape, in
+    args.variants order, each with its relative L2 error against the "eager" call's output."""
     rows, outputs = [], {}
-    for variant in args.variants:
+    for variant in bench.args.variants:
         row, outputs[variant] = bench.run(variant, calls[variant])
         row["shape"], row["kind"], row["batch"], row["tokens"] = (shape.name, shape.kind,
                                                                   shape.batch, shape.tokens)
@@ -229,9 +258,6 @@ def bench_shape(bench: Bench, model: Decoder, compiled: dict, shape: Shape, dtyp
         if reference is not None and outputs.get(row["variant"]) is not None \
                 and row["variant"] != "eager":
             row["rel_l2_vs_eager"] = bench.rel_l2(outputs[row["variant"]], reference)
-    del x, pos, caches, outputs
-    if bench.cuda:
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -299,6 +325,21 @@ def setup(args):
     return device, torch.bfloat16, dist.new_group(backend="gloo")
 
 
+def run_meta(args, device, dtype, started: float) -> dict:
+    """What results.json says about the run itself."""
+    meta = {"world_size": dist.get_world_size(), "dtype": str(dtype).replace("torch.", ""),
+            "variants": args.variants, "iters": args.iters,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "cpu_smoke": args.cpu_smoke, "tol": args.tol,
+            "wall_s": time.perf_counter() - started}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return meta
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -324,17 +365,8 @@ def main(argv=None) -> int:
     if rank == 0:
         print_details(rows)
         os.makedirs(args.out, exist_ok=True)
-        meta = {"world_size": dist.get_world_size(), "model": asdict(args.model),
-                "dtype": str(dtype).replace("torch.", ""), "variants": args.variants,
-                "iters": args.iters, "device": torch.cuda.get_device_name(device)
-                if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                "cpu_smoke": args.cpu_smoke, "tol": args.tol,
-                "wall_s": time.perf_counter() - started}
-        try:
-            import triton
-            meta["triton"] = triton.__version__
-        except ImportError:
-            pass
+        meta = run_meta(args, device, dtype, started)
+        meta["model"] = asdict(args.model)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)
         plotted = plot(rows, shapes, os.path.join(args.out, "latency.png"))

@@ -30,7 +30,8 @@ from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMet
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
-from infini_dist.scheduler.ops import close_enough
+from infini_dist.scheduler.ops import close_enough, generation
+from infini_dist.scheduler.setup_thread import run_aside
 
 log = logging.getLogger("infini_dist")
 
@@ -59,9 +60,9 @@ def _device_name(device: torch.device) -> str:
 def _digest(values: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(values):
-        t = values[name].detach().contiguous().cpu()
+        t = values[name].detach().cpu().reshape(-1)  # 1-d: a 0-d tensor has no byte view
         h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
@@ -134,6 +135,13 @@ class SiteRunner:
             log.warning("infini_dist: no decision for %s before CUDA-graph capture; running it "
                         "natively (warm up eagerly first)", self.sub.signature()[:12])
             return self._native(ctx)  # never tuned inside a capture, and not committed
+        # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
+        choice = run_aside(lambda: self._decide_aside(values, group, ctx, baseline_only),
+                           ctx.device)
+        self._committed[local] = choice
+        return choice
+
+    def _decide_aside(self, values: dict, group, ctx: RunContext, baseline_only: bool) -> Choice:
         distributed = dist.is_initialized() and ctx.world_size > 1
         plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
         signature = {"subgraph": self.sub.signature(),
@@ -142,7 +150,9 @@ class SiteRunner:
         if plane is not None:
             plane.agree(signature, "signature", "input shapes and dtypes")
         choice = self._tune(values, ctx, plane, baseline_only)
-        self._committed[local] = choice
+        # The committed choice's first call (collective setup after a cache hit: symmetric
+        # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank.
+        choice.run(values)
         return choice
 
     def _native(self, ctx):
@@ -359,7 +369,7 @@ _EXECUTORS: dict[tuple, GraphExecutor] = {}
 def executor_for(graph: SubGraph, settings: Settings | None = None,
                  compiled: bool = False) -> GraphExecutor:
     settings = settings or infini_dist.config.snapshot()
-    key = (graph, settings, compiled)
+    key = (graph, settings, compiled, generation())  # a re-registered op: built afresh
     executor = _EXECUTORS.get(key)
     if executor is None:
         executor = _EXECUTORS[key] = GraphExecutor(graph, settings, compiled)

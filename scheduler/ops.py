@@ -35,7 +35,7 @@ class OpSpec:
     num_inputs: int | None = None
     outputs_per_input: bool = False  # all_reduce: one output per (coalesced) input
     implementations: dict[str, Callable] = field(default_factory=dict, compare=False, hash=False)
-    native: Callable | None = field(default=None, compare=False, hash=False)  # None: fn
+    native: Callable | None = field(default=None, hash=False)  # None: fn
 
     @property
     def is_anchor(self) -> bool:
@@ -43,6 +43,14 @@ class OpSpec:
 
 
 _REGISTRY: dict[str, OpSpec] = {}
+_BUILTINS: frozenset[str] = frozenset()  # set once the built-in ops below are registered
+_generation = 0
+
+
+def generation() -> int:
+    """Bumped whenever an op's definition changes: part of the key of everything built from
+    the registry (executors, routes), so nothing keeps running a replaced definition."""
+    return _generation
 
 
 def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: int = 1,
@@ -55,7 +63,10 @@ def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: i
     Give `implementations` ({name: fn}) to make it a deferred-choice site: each implementation is
     a choice, and so is each implementation with its epilogue chain fused after it.
     `kind` is 'elementwise' or 'rowwise' to let the op fuse into collectives' chains.
+    Registering a user op's name again replaces it, implementations and all (a notebook cell
+    run twice, a new scheduler); a built-in op is replaced only with replace=True.
     """
+    global _generation
     if not isinstance(name, str) or not name:
         raise TypeError("op name must be a non-empty string")
     if not callable(fn):
@@ -69,15 +80,16 @@ def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: i
         raise TypeError(f"op {name!r}: native must be callable")
     if kind not in FUSION_RULES:
         raise ValueError(f"op {name!r}: kind must be one of {sorted(FUSION_RULES)}, got {kind!r}")
-    if name in _REGISTRY and not replace:
-        existing = _REGISTRY[name]
-        if (existing.fn is fn and existing.native is native
-                and existing.implementations == (implementations or {})):
-            return existing
-        raise ValueError(f"op {name!r} is already registered; pass replace=True to override")
     spec = OpSpec(name, fn, kind, num_outputs, num_inputs, False, dict(implementations or {}),
                   native)
+    existing = _REGISTRY.get(name)
+    if existing is not None:
+        if existing == spec and existing.implementations == spec.implementations:
+            return existing
+        if name in _BUILTINS and not replace:
+            raise ValueError(f"op {name!r} is a built-in op; pass replace=True to override it")
     _REGISTRY[name] = spec
+    _generation += 1
     return spec
 
 
@@ -112,11 +124,14 @@ def run_node(op_type: str, tensors: list, attrs: dict, group=None, native: bool 
 # ---- references ---------------------------------------------------------------------------------
 
 def _fp32(fn):
+    """Float math in (at least) fp32, rounded once to the dtype torch would give; integer and
+    bool math as torch does it (relu stays int, `int * 2.5` is float, silu on ints raises)."""
     def wrapped(*tensors, **attrs):
-        out_dtype = tensors[0].dtype
+        out_dtype = torch.result_type(*tensors) if len(tensors) == 2 else tensors[0].dtype
         if not out_dtype.is_floating_point:
             return fn(*tensors, **attrs)
-        return fn(*(t.float() for t in tensors), **attrs).to(out_dtype)
+        compute = torch.promote_types(out_dtype, torch.float32)
+        return fn(*(t.to(compute) for t in tensors), **attrs).to(out_dtype)
     wrapped.__name__ = fn.__name__
     wrapped.__doc__ = fn.__doc__
     return wrapped
@@ -165,19 +180,31 @@ def sigmoid(x):
     return torch.sigmoid(x)
 
 
-def _rms(x32, weight, eps):
-    inv = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return x32 * inv * weight.float()
+def _rms(x, weight, eps):
+    """rms_norm in (at least) fp32; torch's errors for integer and 0-d inputs."""
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype} (torch: "
+                        f'"rms_norm" not implemented for {x.dtype})')
+    if x.dim() == 0:
+        raise RuntimeError("rms_norm: Expected normalized_shape to be at least 1-dimensional, "
+                           "but the input is 0-d")
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(compute)
+    inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x * inv * weight.to(compute)
 
 
 def rms_norm(x, weight, eps: float = 1e-6):
-    return _rms(x.float(), weight, eps).to(x.dtype)
+    return _rms(x, weight, eps).to(x.dtype)
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-6):
     """(rms_norm(x + residual) * weight, x + residual); the sum is kept in fp32 for the norm."""
-    total = x.float() + residual.float()
-    return _rms(total, weight, eps).to(x.dtype), total.to(x.dtype)
+    dtype = torch.result_type(x, residual)
+    if not dtype.is_floating_point:
+        _rms(x + residual, weight, eps)  # raises torch's error
+    total = x.to(torch.promote_types(dtype, torch.float32)) + residual
+    return _rms(total, weight, eps).to(dtype), total.to(dtype)
 
 
 def swiglu(gate, up):
@@ -216,6 +243,7 @@ _elementwise("swiglu", swiglu, 2)
 register_op("rms_norm", rms_norm, kind="rowwise", num_inputs=2, native=native_rms_norm)
 register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outputs=2,
             native=native_add_rms_norm)
+_BUILTINS = frozenset(_REGISTRY)
 
 # How far a choice may sit from the fp32 reference. All sides round: the reference once per op,
 # native torch at every intermediate too (and NCCL in bf16 once per reduction step), a fused
@@ -236,10 +264,15 @@ def close_enough(actual: torch.Tensor, expected: torch.Tensor) -> bool:
         return True
     l2_tol, max_tol = TOLERANCE.get(expected.dtype, (1e-2, 5e-2))
     a, e = actual.double(), expected.double()
+    # torch propagates NaN and inf: a choice must have them at the same places (NaN = NaN).
+    nan = torch.isnan(e)
+    if not torch.equal(torch.isnan(a), nan):
+        return False
     finite = torch.isfinite(e)
     if not torch.equal(torch.isfinite(a), finite):
         return False
-    if not torch.equal(a[~finite], e[~finite]):  # same infinities, NaN never matches
+    infinite = ~finite & ~nan
+    if not torch.equal(a[infinite], e[infinite]):  # the same infinities
         return False
     diff = (a[finite] - e[finite]).abs()
     scale = e[finite].abs()

@@ -8,6 +8,8 @@ no registry has to be filled before a cached graph can run. At run time the engi
 across its group on the first call per input signature and runs the committed choice after that;
 under CUDA-graph capture without a decision it runs natively in eager torch (SiteRunner._decide).
 The site's `native` choice is Inductor's own code for it (scheduler/native_inductor.py).
+First calls work on a thread of their own (scheduler/setup_thread.py), so CUDA-graph trees can
+warm up and record compiled graphs with these ops from the first call.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 import infini_dist
+from infini_dist.compile.cudagraph_tree_state import settle_failed_warmup
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
@@ -59,15 +62,15 @@ def subgraph_from_json(text: str) -> SubGraph:
 
 # ---- the op --------------------------------------------------------------------------------------
 
-_EXECUTORS: dict = {}  # (graph text, settings) -> executor: no parsing of the text per call
+_EXECUTORS: dict = {}  # (text, settings, registry generation) -> executor: no parse per call
 
 
 def _executor(text: str):
-    settings = infini_dist.config.snapshot()
-    executor = _EXECUTORS.get((text, settings))
+    key = (text, infini_dist.config.snapshot(), op_registry.generation())  # re-registered: anew
+    executor = _EXECUTORS.get(key)
     if executor is None:
-        executor = _EXECUTORS[(text, settings)] = executor_for(subgraph_from_json(text), settings,
-                                                               compiled=True)
+        executor = _EXECUTORS[key] = executor_for(subgraph_from_json(text), key[1],
+                                                  compiled=True)
     return executor
 
 
@@ -97,7 +100,11 @@ def fused_site(inputs: list[torch.Tensor], graph: str) -> list[torch.Tensor]:
     if len(inputs) != len(names):
         raise ValueError(f"infini_dist.fused_site: the site reads {len(names)} tensors, "
                          f"got {len(inputs)}")
-    values = executor.run(dict(zip(names, inputs)), None)
+    try:
+        values = executor.run(dict(zip(names, inputs)), None)
+    except BaseException:
+        settle_failed_warmup(inputs)  # other compiled models keep working
+        raise
     return _unaliased([values[name] for name in executor.graph.output_names], list(inputs))
 
 
@@ -138,7 +145,7 @@ def decisions() -> list[dict]:
     """What each compiled site that ran decided so far (candidates, times, committed choice),
     under whatever settings it ran with."""
     rows = []
-    for (text, _), executor in list(_EXECUTORS.items()):
+    for (text, *_), executor in list(_EXECUTORS.items()):
         for runner in executor.site_runners():
             if runner.last_decision is not None:
                 ops = "+".join(n.op_type for n in executor.graph.nodes)
