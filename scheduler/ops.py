@@ -180,14 +180,19 @@ def sigmoid(x):
     return torch.sigmoid(x)
 
 
-def _rms(x, weight, eps):
-    """rms_norm in (at least) fp32; torch's errors for integer and 0-d inputs."""
+def _check_rms_input(x):
+    """torch's errors for integer and 0-d inputs, the same on every path."""
     if not x.dtype.is_floating_point:
         raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype} (torch: "
                         f'"rms_norm" not implemented for {x.dtype})')
     if x.dim() == 0:
         raise RuntimeError("rms_norm: Expected normalized_shape to be at least 1-dimensional, "
                            "but the input is 0-d")
+
+
+def _rms(x, weight, eps):
+    """rms_norm in (at least) fp32."""
+    _check_rms_input(x)
     compute = torch.promote_types(x.dtype, torch.float32)
     x = x.to(compute)
     inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
@@ -216,6 +221,7 @@ def swiglu(gate, up):
 def native_rms_norm(x, weight, eps: float = 1e-6):
     """torch's own RMSNorm. Our IR keeps the input dtype, so a weight of another dtype is cast
     first (torch would otherwise leave its fused kernel)."""
+    _check_rms_input(x)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     return F.rms_norm(x, x.shape[-1:], weight, eps)
