@@ -2,9 +2,11 @@
 
 Per site and input signature, all ranks of the site's group, in lockstep over the control plane:
 agree on the signature -> agree on cache hit/miss -> agree on the choice list -> precompile in a
-thread pool and drop what failed anywhere -> per choice: trial run checked against the baseline,
-failures dropped everywhere, then timed -> medians combined by MAX -> argmin (ties by name, fused
-only past the speed-up threshold) -> rank 0's pick broadcast and checked -> commit to the cache.
+thread pool and drop what failed anywhere -> per choice: trial run checked against the fp32
+reference, failures dropped everywhere, then timed -> medians combined by MAX -> pick (native
+unless a choice beats it by the speed-up threshold; ties by name) -> rank 0's pick broadcast and
+checked -> commit to the cache. The reference is never timed or committed; the fallback is
+`native`, the user's own path.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import infini_dist
 from infini_dist.config import Settings
 from infini_dist.scheduler import benchmark, data_plane
 from infini_dist.scheduler.cache import DECISIONS, versions
-from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMeta,
-                                           baseline_choice, generate_choices, resolve_group,
+from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMeta,
+                                           generate_choices, native_choice, resolve_group,
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, control_plane
 from infini_dist.scheduler.data_plane import DataPlaneError, describe, guarded
@@ -67,17 +69,19 @@ def _digest(values: dict) -> str:
     return h.hexdigest()
 
 
-def _is_unfused(choice: Choice) -> bool:
+def _native_like(choice: Choice) -> bool:
+    """Native, or an algorithm choice that fuses nothing (a collective alone + native ops)."""
     return choice.span is None or not choice.span.fuses_anything
 
 
 class SiteRunner:
     """One site of one graph: its committed choice per input signature."""
 
-    def __init__(self, graph: SubGraph, site: Site, settings: Settings):
+    def __init__(self, graph: SubGraph, site: Site, settings: Settings, compiled: bool = False):
         self.graph = graph
         self.site = site
         self.settings = settings
+        self.compiled = compiled  # the site sits in a torch.compile'd graph: Inductor is native
         self.sub = site_subgraph(graph, site)
         self.inputs = self.sub.input_names
         self.outputs = self.sub.output_names
@@ -111,8 +115,9 @@ class SiteRunner:
         return RunContext(group, 1, 0, device)
 
     def candidates(self, values: dict, ctx: RunContext) -> tuple[list[Choice], dict, dict]:
-        """(choices, meta, reference) for these inputs: one unfused pass gives the reference
-        outputs and every intermediate's shape and dtype, from which the choices are made."""
+        """(choices, meta, reference) for these inputs: one pass through the fp32 references
+        gives the expected outputs and every intermediate's shape and dtype, from which the
+        choices are made."""
         s = self.settings
         env = dict(values)
         run_nodes(self.graph, self.site.region, env, ctx)
@@ -122,7 +127,8 @@ class SiteRunner:
                                    fusion_types=s.custom_op_fusion_types,
                                    max_depth=s.max_fusion_depth,
                                    recursive=s.enable_recursive_fusion,
-                                   enable_fusion=s.enable_custom_op_fusion)
+                                   enable_fusion=s.enable_custom_op_fusion,
+                                   compiled=self.compiled)
         return choices, meta, reference
 
     def _decide(self, values: dict, group, local: tuple) -> dict:
@@ -132,9 +138,9 @@ class SiteRunner:
                             (not v.dtype.is_floating_point or v.numel() == 0)
                             for v in values.values())
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            log.warning("infini_dist: no decision for %s before CUDA-graph capture; running the "
-                        "unfused baseline (warm up eagerly first)", self.sub.signature()[:12])
-            return self._baseline(ctx).run(values)  # never tuned inside a capture, not committed
+            log.warning("infini_dist: no decision for %s before CUDA-graph capture; running it "
+                        "natively (warm up eagerly first)", self.sub.signature()[:12])
+            return self._native(ctx).run(values)  # never tuned inside a capture, not committed
         distributed = dist.is_initialized() and ctx.world_size > 1
         plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
         if plane is not None:
@@ -162,8 +168,9 @@ class SiteRunner:
         choice.run(values)
         return choice
 
-    def _baseline(self, ctx):
-        choice = baseline_choice(self.graph, self.site)
+    def _native(self, ctx):
+        # Eager torch even for a compiled site: nothing to compile here (maybe under capture).
+        choice = native_choice(self.graph, self.site)
         choice.precompile({}, ctx)
         return choice
 
@@ -171,13 +178,17 @@ class SiteRunner:
         tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
                                   group_size=ctx.world_size, device=_device_name(ctx.device),
-                                  settings=self.settings.decision_fields(), **versions())
+                                  settings=self.settings.decision_fields(),
+                                  native=self._native_path(), **versions())
+
+    def _native_path(self) -> str:
+        return "inductor" if self.compiled else "eager"
 
     def _tune(self, values, ctx, plane: ControlPlane | None, baseline_only: bool) -> Choice:
         s = self.settings
         if baseline_only:
-            log.debug("infini_dist: int or empty input for %s: unfused baseline", self.sub)
-            return self._baseline(ctx)
+            log.debug("infini_dist: int or empty input for %s: native", self.sub)
+            return self._native(ctx)
         key = self._key(values, ctx)
         record = DECISIONS.get_memory(key)
         rank0 = plane is None or plane.rank == 0
@@ -264,8 +275,8 @@ class SiteRunner:
                                       f"it is rebuilt")
                 failed.setdefault(name, f"rank {rank}: {err}")
         for name, err in failed.items():
-            if name == UNFUSED:
-                raise TuningError(f"infini_dist: the unfused baseline failed at step {step!r} "
+            if name == NATIVE:
+                raise TuningError(f"infini_dist: the native path failed at step {step!r} "
                                   f"({err})")
             (log.warning if self.settings.debug_mode else log.info)(
                 "infini_dist: dropping choice %s at %s: %s", name, step, err)
@@ -320,16 +331,16 @@ class SiteRunner:
                     out = choice.run(values)
                 wrong = [n for n in reference if not close_enough(out[n], reference[n])]
                 if wrong:
-                    error = f"output {wrong} differs from the unfused baseline"
+                    error = f"output {wrong} differs from the fp32 reference"
                 digest = _digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
                 error = describe(exc)
             if not self._agree_failures([choice], {choice.name: error}, plane,
                                         f"trial {choice.name}"):
                 continue
-            # Where the baseline gives every rank the same bits, a fused choice must too.
+            # Where native gives every rank the same bits, a fused choice must too.
             digests = plane.all_gather(digest, f"digest {choice.name}") if plane else [digest]
-            if choice.name == UNFUSED:
+            if choice.name == NATIVE:
                 replicated = len(set(digests)) == 1
             elif replicated and len(set(digests)) > 1:
                 log.warning("infini_dist: dropping %s: outputs differ across ranks", choice.name)
@@ -341,11 +352,12 @@ class SiteRunner:
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]
         worst = {n: max(m[n] for m in all_medians) for n in medians}
         survivors = [c for c in survivors if c.name in medians]
-        unfused = {c.name for c in survivors if _is_unfused(c)}
-        mine = benchmark.pick(worst, unfused, s.fusion_speedup_threshold)
+        native_like = {c.name for c in survivors if _native_like(c)}
+        mine = benchmark.pick(worst, NATIVE, native_like, s.fusion_speedup_threshold)
         if plane is not None:
             plane.agree(mine, "decision", "the chosen choice")
-        record = {"choice": mine, "times_s": worst, "candidates": [c.name for c in survivors],
+        record = {"choice": mine, "native": self._native_path(), "times_s": worst,
+                  "candidates": [c.name for c in survivors],
                   "subgraph": self.sub.canonical(), "precompile_s": precompile_s,
                   "tuning_s": time.perf_counter() - started}
         DECISIONS.put_memory(key, record)
@@ -360,9 +372,10 @@ class SiteRunner:
 
 
 class GraphExecutor:
-    """Runs a SubGraph: loose nodes through their references, sites through their decisions."""
+    """Runs a SubGraph: loose nodes through their references, sites through their decisions.
+    `compiled`: the graph is a site torch.compile put in place (its native path is Inductor's)."""
 
-    def __init__(self, graph: SubGraph, settings: Settings):
+    def __init__(self, graph: SubGraph, settings: Settings, compiled: bool = False):
         self.graph = graph
         self.settings = settings
         types = settings.custom_op_fusion_types if settings.enable_custom_op_fusion else ()
@@ -375,7 +388,7 @@ class GraphExecutor:
                 self.plan.append(("node", index))
             elif index == site.anchors[0]:
                 # Prologue nodes are private to their anchor, so running them here is safe.
-                self.plan.append(("site", SiteRunner(graph, site, settings)))
+                self.plan.append(("site", SiteRunner(graph, site, settings, compiled)))
 
     def run(self, inputs: dict, group=None) -> dict:
         missing = [n for n in self.graph.input_names if n not in inputs]
@@ -399,10 +412,11 @@ class GraphExecutor:
 _EXECUTORS: dict[tuple, GraphExecutor] = {}
 
 
-def executor_for(graph: SubGraph, settings: Settings | None = None) -> GraphExecutor:
+def executor_for(graph: SubGraph, settings: Settings | None = None,
+                 compiled: bool = False) -> GraphExecutor:
     settings = settings or infini_dist.config.snapshot()
-    key = (graph, settings, generation())  # a re-registered op: built afresh
+    key = (graph, settings, compiled, generation())  # a re-registered op: built afresh
     executor = _EXECUTORS.get(key)
     if executor is None:
-        executor = _EXECUTORS[key] = GraphExecutor(graph, settings)
+        executor = _EXECUTORS[key] = GraphExecutor(graph, settings, compiled)
     return executor

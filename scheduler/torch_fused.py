@@ -18,7 +18,7 @@ class TorchFusedAllReduce(Algorithm):
     def supports(self, span, meta, ctx):
         anchor_inputs = [n for a in span.anchors for n in span.graph.nodes[a].inputs]
         dtypes = {meta[n].dtype for n in anchor_inputs if n in meta}
-        # At depth zero with one anchor this is the baseline again: not a separate choice.
+        # At depth zero with one anchor this is native again: not a separate choice.
         return span.fuses_anything and len(dtypes) == 1
 
     def compile(self, span, meta, ctx):
