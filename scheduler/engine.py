@@ -2,13 +2,17 @@
 
 Per site and input signature, all ranks of the site's group, in lockstep over the control plane:
 agree on the signature -> agree on cache hit/miss -> agree on the choice list -> precompile in a
-thread pool and drop what failed anywhere -> per choice: trial run checked against the baseline,
-failures dropped everywhere, then timed -> medians combined by MAX -> argmin (ties by name, fused
-only past the speed-up threshold) -> rank 0's pick broadcast and checked -> commit to the cache.
+thread pool and drop what failed anywhere -> per choice: trial run checked against the fp32
+reference, failures dropped everywhere, then timed -> medians combined by MAX -> pick (native
+unless a choice beats it by the speed-up threshold; ties by name) -> rank 0's pick broadcast and
+checked -> commit to the cache. The reference is never timed or committed; the fallback is
+`native`, the user's own path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -21,12 +25,13 @@ import torch.distributed as dist
 
 import infini_dist
 from infini_dist.config import Settings
-from infini_dist.scheduler import benchmark
+from infini_dist.scheduler import benchmark, data_plane
 from infini_dist.scheduler.cache import DECISIONS, versions
-from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMeta,
-                                           baseline_choice, generate_choices, resolve_group,
+from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMeta,
+                                           generate_choices, native_choice, resolve_group,
                                            run_nodes)
-from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
+from infini_dist.scheduler.control import ControlPlane, control_plane
+from infini_dist.scheduler.data_plane import DataPlaneError, describe, guarded
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.ops import close_enough, generation
 from infini_dist.scheduler.setup_thread import run_aside
@@ -64,17 +69,19 @@ def _digest(values: dict) -> str:
     return h.hexdigest()
 
 
-def _is_unfused(choice: Choice) -> bool:
+def _native_like(choice: Choice) -> bool:
+    """Native, or an algorithm choice that fuses nothing (a collective alone + native ops)."""
     return choice.span is None or not choice.span.fuses_anything
 
 
 class SiteRunner:
     """One site of one graph: its committed choice per input signature."""
 
-    def __init__(self, graph: SubGraph, site: Site, settings: Settings):
+    def __init__(self, graph: SubGraph, site: Site, settings: Settings, compiled: bool = False):
         self.graph = graph
         self.site = site
         self.settings = settings
+        self.compiled = compiled  # the site sits in a torch.compile'd graph: Inductor is native
         self.sub = site_subgraph(graph, site)
         self.inputs = self.sub.input_names
         self.outputs = self.sub.output_names
@@ -94,7 +101,9 @@ class SiteRunner:
         choice = self._committed.get(local)
         if choice is None:
             with self._lock:
-                choice = self._committed.get(local) or self._decide(values, group, local)
+                choice = self._committed.get(local)
+                if choice is None:
+                    return self._decide(values, group, local)
         return choice.run(values)
 
     # ---- deciding ----------------------------------------------------------------------------
@@ -106,8 +115,9 @@ class SiteRunner:
         return RunContext(group, 1, 0, device)
 
     def candidates(self, values: dict, ctx: RunContext) -> tuple[list[Choice], dict, dict]:
-        """(choices, meta, reference) for these inputs: one unfused pass gives the reference
-        outputs and every intermediate's shape and dtype, from which the choices are made."""
+        """(choices, meta, reference) for these inputs: one pass through the fp32 references
+        gives the expected outputs and every intermediate's shape and dtype, from which the
+        choices are made."""
         s = self.settings
         env = dict(values)
         run_nodes(self.graph, self.site.region, env, ctx)
@@ -117,27 +127,36 @@ class SiteRunner:
                                    fusion_types=s.custom_op_fusion_types,
                                    max_depth=s.max_fusion_depth,
                                    recursive=s.enable_recursive_fusion,
-                                   enable_fusion=s.enable_custom_op_fusion)
+                                   enable_fusion=s.enable_custom_op_fusion,
+                                   compiled=self.compiled)
         return choices, meta, reference
 
-    def _decide(self, values: dict, group, local: tuple) -> Choice:
+    def _decide(self, values: dict, group, local: tuple) -> dict:
+        """Tune and commit; this call's outputs from the committed choice."""
         ctx = self._context(values, group)
         baseline_only = any(isinstance(v, torch.Tensor) and
                             (not v.dtype.is_floating_point or v.numel() == 0)
                             for v in values.values())
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            log.warning("infini_dist: no decision for %s before CUDA-graph capture; running the "
-                        "unfused baseline (warm up eagerly first)", self.sub.signature()[:12])
-            return self._baseline(ctx)  # never tuned inside a capture, and not committed
-        # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
-        choice = run_aside(lambda: self._decide_aside(values, group, ctx, baseline_only),
-                           ctx.device)
-        self._committed[local] = choice
-        return choice
-
-    def _decide_aside(self, values: dict, group, ctx: RunContext, baseline_only: bool) -> Choice:
+            log.warning("infini_dist: no decision for %s before CUDA-graph capture; running it "
+                        "natively (warm up eagerly first)", self.sub.signature()[:12])
+            return self._native(ctx).run(values)  # never tuned inside a capture, not committed
         distributed = dist.is_initialized() and ctx.world_size > 1
         plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
+        if plane is not None:
+            ctx = dataclasses.replace(ctx, single_host=plane.single_host)
+        # One tuning at a time per plane, this call's run included: threads tuning different
+        # sites would interleave their exchanges and collectives. Ranks that order the threads
+        # differently fail the signature check on every rank instead.
+        with plane.lock if plane is not None else contextlib.nullcontext():
+            # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
+            choice = run_aside(lambda: self._decide_aside(values, ctx, plane, baseline_only),
+                               ctx.device)
+            self._committed[local] = choice
+            return choice.run(values)
+
+    def _decide_aside(self, values: dict, ctx: RunContext, plane: ControlPlane | None,
+                      baseline_only: bool) -> Choice:
         signature = {"subgraph": self.sub.signature(),
                      "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                                 else (n, repr(v)) for n, v in values.items()]}
@@ -149,8 +168,9 @@ class SiteRunner:
         choice.run(values)
         return choice
 
-    def _baseline(self, ctx):
-        choice = baseline_choice(self.graph, self.site)
+    def _native(self, ctx):
+        # Eager torch even for a compiled site: nothing to compile here (maybe under capture).
+        choice = native_choice(self.graph, self.site)
         choice.precompile({}, ctx)
         return choice
 
@@ -158,13 +178,17 @@ class SiteRunner:
         tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
                                   group_size=ctx.world_size, device=_device_name(ctx.device),
-                                  settings=self.settings.decision_fields(), **versions())
+                                  settings=self.settings.decision_fields(),
+                                  native=self._native_path(), **versions())
+
+    def _native_path(self) -> str:
+        return "inductor" if self.compiled else "eager"
 
     def _tune(self, values, ctx, plane: ControlPlane | None, baseline_only: bool) -> Choice:
         s = self.settings
         if baseline_only:
-            log.debug("infini_dist: int or empty input for %s: unfused baseline", self.sub)
-            return self._baseline(ctx)
+            log.debug("infini_dist: int or empty input for %s: native", self.sub)
+            return self._native(ctx)
         key = self._key(values, ctx)
         record = DECISIONS.get_memory(key)
         rank0 = plane is None or plane.rank == 0
@@ -174,7 +198,8 @@ class SiteRunner:
             record = plane.broadcast(record if rank0 else None, "cache lookup")
         DECISIONS.count(hit=record is not None)
 
-        choices, meta, reference = self.candidates(values, ctx)
+        choices, meta, reference = self._agreed(plane, "reference run",
+                                                lambda: self.candidates(values, ctx))
         names = [c.name for c in choices]
         if plane is not None:
             plane.agree(names, "choice list", "the set of choices")
@@ -190,13 +215,36 @@ class SiteRunner:
                         record["choice"])
         return self._benchmark(choices, values, reference, meta, ctx, plane, key)
 
+    def _data_timeout(self) -> float:
+        # Half the control timeout: a rank stuck in a collective still reaches the next
+        # control exchange before its peers there give up on it.
+        return self.settings.tuning_timeout_s / 2
+
+    def _agreed(self, plane, step: str, fn):
+        """fn() on every rank; a failure on any rank fails every rank. The failing rank
+        re-raises its own error (a TypeError where torch raises one), its peers a TuningError."""
+        own = None
+        try:
+            with data_plane.bounded(self._data_timeout(), step):
+                result = fn()
+        except Exception as error:  # noqa: BLE001 - agreed on below
+            own = error
+        errors = plane.all_gather(describe(own) if own else None, step) if plane else [None]
+        if own is not None:
+            raise own
+        failed = [(plane.ranks[r], e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise TuningError(f"infini_dist: tuning failed at step {step!r} on rank "
+                              f"{failed[0][0]}: {failed[0][1]}")
+        return result
+
     def _drop_failed(self, choices, meta, ctx, plane, step) -> list[Choice]:
         def precompile(choice):
             try:
                 choice.precompile(meta, ctx)
                 return None
             except Exception as error:  # any failure just removes the choice
-                return f"{type(error).__name__}: {error}"
+                return describe(error)
         threads = min(self.settings.max_autotune_threads, max(1, len(choices)))
         if os.environ.get("TRITON_INTERPRET") == "1":
             threads = 1  # the interpreter patches triton.language while a kernel runs
@@ -218,11 +266,18 @@ class SiteRunner:
         failed = {}
         for rank, errs in enumerate(gathered):
             for name, err in errs.items():
-                if err is not None:
-                    failed.setdefault(name, f"rank {rank}: {err}")
+                if err is None:
+                    continue
+                if DataPlaneError.__name__ in err:  # whichever rank reported it
+                    raise TuningError(f"infini_dist: tuning stopped at step {step!r}: the "
+                                      f"ranks' collectives went out of step (rank {rank}: "
+                                      f"{err}); the group's data plane cannot be trusted until "
+                                      f"it is rebuilt")
+                failed.setdefault(name, f"rank {rank}: {err}")
         for name, err in failed.items():
-            if name == UNFUSED:
-                raise TuningError(f"infini_dist: the unfused baseline failed ({err})")
+            if name == NATIVE:
+                raise TuningError(f"infini_dist: the native path failed at step {step!r} "
+                                  f"({err})")
             (log.warning if self.settings.debug_mode else log.info)(
                 "infini_dist: dropping choice %s at %s: %s", name, step, err)
         return [c for c in choices if c.name not in failed]
@@ -250,11 +305,14 @@ class SiteRunner:
             else:
                 return medians
         medians = {}
-        for choice in choices:
-            if plane is not None:
-                plane.barrier(f"time {choice.name}")
-            medians[choice.name] = benchmark.median(benchmark.time_reps(
-                lambda: choice.run(values), ctx.device, s.benchmark_warmup, s.benchmark_reps))
+        for choice in choices:  # the exchange before each one lines the ranks up
+            step = f"time {choice.name}"
+            call, state = guarded(choice.run, values)
+            with data_plane.bounded(self._data_timeout(), step):
+                times = benchmark.time_reps(call, ctx.device, s.benchmark_warmup,
+                                            s.benchmark_reps)
+            if self._agree_failures([choice], {choice.name: state["error"]}, plane, step):
+                medians[choice.name] = benchmark.median(times)
         return medians
 
     def _benchmark(self, choices, values, reference, meta, ctx, plane, key) -> Choice:
@@ -269,19 +327,20 @@ class SiteRunner:
                 plane.barrier(f"start {choice.name}")
             error, digest = None, None
             try:
-                out = choice.run(values)
+                with data_plane.bounded(self._data_timeout(), f"trial {choice.name}"):
+                    out = choice.run(values)
                 wrong = [n for n in reference if not close_enough(out[n], reference[n])]
                 if wrong:
-                    error = f"output {wrong} differs from the unfused baseline"
+                    error = f"output {wrong} differs from the fp32 reference"
                 digest = _digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
-                error = f"{type(exc).__name__}: {exc}"
+                error = describe(exc)
             if not self._agree_failures([choice], {choice.name: error}, plane,
                                         f"trial {choice.name}"):
                 continue
-            # Where the baseline gives every rank the same bits, a fused choice must too.
+            # Where native gives every rank the same bits, a fused choice must too.
             digests = plane.all_gather(digest, f"digest {choice.name}") if plane else [digest]
-            if choice.name == UNFUSED:
+            if choice.name == NATIVE:
                 replicated = len(set(digests)) == 1
             elif replicated and len(set(digests)) > 1:
                 log.warning("infini_dist: dropping %s: outputs differ across ranks", choice.name)
@@ -289,17 +348,16 @@ class SiteRunner:
             survivors.append(choice)
         medians = self._time(survivors, values, ctx, plane)
         if timing_hook is not None:
-            medians = timing_hook(dict(medians))
+            medians = self._agreed(plane, "vote", lambda: timing_hook(dict(medians)))
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]
         worst = {n: max(m[n] for m in all_medians) for n in medians}
-        unfused = {c.name for c in survivors if _is_unfused(c)}
-        mine = benchmark.pick(worst, unfused, s.fusion_speedup_threshold)
+        survivors = [c for c in survivors if c.name in medians]
+        native_like = {c.name for c in survivors if _native_like(c)}
+        mine = benchmark.pick(worst, NATIVE, native_like, s.fusion_speedup_threshold)
         if plane is not None:
-            decided = plane.broadcast(mine, "decision")
-            if decided != mine:
-                raise RankMismatchError(f"infini_dist: rank {plane.rank} picked {mine!r} but rank "
-                                        f"{plane.ranks[0]} picked {decided!r}")
-        record = {"choice": mine, "times_s": worst, "candidates": [c.name for c in survivors],
+            plane.agree(mine, "decision", "the chosen choice")
+        record = {"choice": mine, "native": self._native_path(), "times_s": worst,
+                  "candidates": [c.name for c in survivors],
                   "subgraph": self.sub.canonical(), "precompile_s": precompile_s,
                   "tuning_s": time.perf_counter() - started}
         DECISIONS.put_memory(key, record)
@@ -314,9 +372,10 @@ class SiteRunner:
 
 
 class GraphExecutor:
-    """Runs a SubGraph: loose nodes through their references, sites through their decisions."""
+    """Runs a SubGraph: loose nodes through their references, sites through their decisions.
+    `compiled`: the graph is a site torch.compile put in place (its native path is Inductor's)."""
 
-    def __init__(self, graph: SubGraph, settings: Settings):
+    def __init__(self, graph: SubGraph, settings: Settings, compiled: bool = False):
         self.graph = graph
         self.settings = settings
         types = settings.custom_op_fusion_types if settings.enable_custom_op_fusion else ()
@@ -329,7 +388,7 @@ class GraphExecutor:
                 self.plan.append(("node", index))
             elif index == site.anchors[0]:
                 # Prologue nodes are private to their anchor, so running them here is safe.
-                self.plan.append(("site", SiteRunner(graph, site, settings)))
+                self.plan.append(("site", SiteRunner(graph, site, settings, compiled)))
 
     def run(self, inputs: dict, group=None) -> dict:
         missing = [n for n in self.graph.input_names if n not in inputs]
@@ -353,10 +412,11 @@ class GraphExecutor:
 _EXECUTORS: dict[tuple, GraphExecutor] = {}
 
 
-def executor_for(graph: SubGraph, settings: Settings | None = None) -> GraphExecutor:
+def executor_for(graph: SubGraph, settings: Settings | None = None,
+                 compiled: bool = False) -> GraphExecutor:
     settings = settings or infini_dist.config.snapshot()
-    key = (graph, settings, generation())  # a re-registered op: built afresh
+    key = (graph, settings, compiled, generation())  # a re-registered op: built afresh
     executor = _EXECUTORS.get(key)
     if executor is None:
-        executor = _EXECUTORS[key] = GraphExecutor(graph, settings)
+        executor = _EXECUTORS[key] = GraphExecutor(graph, settings, compiled)
     return executor

@@ -60,7 +60,7 @@ def test_cpu_smoke_llama_tp(tmp_path):
         assert row["sites"] == 3 and row["pass_graphs"] == 1, row
         assert len(row["decisions"]) == 3
         for d in row["decisions"]:
-            assert d["choice"] in d["times_us"] and "unfused" in d["times_us"]
+            assert d["choice"] in d["times_us"] and "native" in d["times_us"]
     assert data["verdict"]["check_failures"] == []
     # no model directory left behind under --out
     assert sorted(p.name for p in out.iterdir()) == ["results.json"]

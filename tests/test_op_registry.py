@@ -105,5 +105,5 @@ def matmul_site(rank, world_size):
 def test_user_op_implementations_are_tuned_and_agreed():
     (c0, cands0), (c1, cands1) = run_ranks(matmul_site, 2)
     assert c0 == c1
-    assert cands0 == cands1 == sorted(["unfused"] + [f"impl:{i}[p0,e{e}]" for i in ("mm", "einsum")
+    assert cands0 == cands1 == sorted(["native"] + [f"impl:{i}[p0,e{e}]" for i in ("mm", "einsum")
                                                      for e in range(3)])
