@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import infini_dist
 from infini_dist.config import Settings
-from infini_dist.scheduler import benchmark
+from infini_dist.scheduler import benchmark, buckets, report
 from infini_dist.scheduler.cache import DECISIONS, versions
 from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMeta,
                                            baseline_choice, generate_choices, resolve_group,
@@ -29,6 +29,7 @@ from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMe
 from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.ops import close_enough
+from infini_dist.scheduler.shapes import site_meta
 
 log = logging.getLogger("infini_dist")
 
@@ -79,7 +80,8 @@ class SiteRunner:
         self.outputs = self.sub.output_names
         self.has_collective = any(graph.nodes[a].op_type == "all_reduce" for a in site.anchors)
         self.group_name = graph.nodes[site.anchors[0]].attr("group_name")
-        self._committed: dict[tuple, Choice] = {}
+        self._committed: dict[tuple, Choice] = {}  # exact local signature -> compiled choice
+        self._decided: dict[tuple, str] = {}  # bucket signature -> committed choice name
         self._lock = threading.Lock()
         self.last_tuning: dict | None = None  # set when this runner benchmarked
         self.last_decision: dict | None = None  # set by tuning or by a cache hit
@@ -93,8 +95,54 @@ class SiteRunner:
         choice = self._committed.get(local)
         if choice is None:
             with self._lock:
-                choice = self._committed.get(local) or self._decide(values, group, local)
+                choice = self._committed.get(local) or self._commit(values, group, local)
         return choice.run(values)
+
+    def _commit(self, values: dict, group, local: tuple) -> Choice:
+        """The choice for an exact signature: its bucket's decision (tuned or loaded across the
+        group on the bucket's first count) compiled for these shapes. Every rank sees the same
+        counts in the same order, so each takes the same path with no exchange."""
+        ctx = self._context(values, group)
+        tokens = buckets.tokens_of(values, self.settings)
+        bucket = (id(group),) + buckets.signature(values, tokens)
+        name = self._decided.get(bucket)
+        if name is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                log.warning("infini_dist: no decision for %s before CUDA-graph capture; running "
+                            "the unfused baseline (warm up eagerly first)",
+                            self.sub.signature()[:12])
+                return self._baseline(ctx)  # never tuned inside a capture, and not committed
+            tuned_values = buckets.at_bound(values, tokens) if tokens else values
+            choice = self._decide(tuned_values, group, ctx)
+            self._decided[bucket] = choice.name
+            if buckets.same_layout(values, tuned_values):
+                self._committed[local] = choice
+                return choice
+            name = choice.name
+        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return self._baseline(ctx)  # compiling here would run kernels inside the capture
+        choice = self._specialize(name, values, ctx)
+        self._committed[local] = choice
+        return choice
+
+    def _specialize(self, name: str, values: dict, ctx: RunContext) -> Choice:
+        """The committed `name` compiled for these exact shapes, locally. Where it cannot run
+        them (support is a pure function of shapes, so every rank finds the same), the
+        baseline."""
+        meta = site_meta(self.graph, self.site.region, values, ctx.device)
+        choices = self._choices(meta, ctx)
+        chosen = next((c for c in choices if c.name == name), None)
+        if chosen is None:
+            log.info("infini_dist: %s cannot run %s; its bucket falls back to the baseline",
+                     name, {n: tuple(m.shape) for n, m in meta.items() if n in values})
+            chosen = choices[0]
+        try:
+            chosen.precompile(meta, ctx)
+        except Exception as error:  # it compiled at the bucket bound: a bug, never a silent swap
+            raise TuningError(f"infini_dist: {name}, committed for this bucket, failed to compile "
+                              f"for {[tuple(v.shape) for v in values.values()]}: {error}") \
+                from error
+        return chosen
 
     # ---- deciding ----------------------------------------------------------------------------
     def _context(self, values: dict, group) -> RunContext:
@@ -107,27 +155,23 @@ class SiteRunner:
     def candidates(self, values: dict, ctx: RunContext) -> tuple[list[Choice], dict, dict]:
         """(choices, meta, reference) for these inputs: one unfused pass gives the reference
         outputs and every intermediate's shape and dtype, from which the choices are made."""
-        s = self.settings
         env = dict(values)
         run_nodes(self.graph, self.site.region, env, ctx)
         reference = {name: env[name] for name in self.outputs}
         meta = {n: TensorMeta.of(v) for n, v in env.items() if isinstance(v, torch.Tensor)}
-        choices = generate_choices(self.graph, self.site, meta, ctx,
-                                   fusion_types=s.custom_op_fusion_types,
-                                   max_depth=s.max_fusion_depth,
-                                   recursive=s.enable_recursive_fusion,
-                                   enable_fusion=s.enable_custom_op_fusion)
-        return choices, meta, reference
+        return self._choices(meta, ctx), meta, reference
 
-    def _decide(self, values: dict, group, local: tuple) -> Choice:
-        ctx = self._context(values, group)
+    def _choices(self, meta: dict, ctx: RunContext) -> list[Choice]:
+        s = self.settings
+        return generate_choices(self.graph, self.site, meta, ctx,
+                                fusion_types=s.custom_op_fusion_types,
+                                max_depth=s.max_fusion_depth, recursive=s.enable_recursive_fusion,
+                                enable_fusion=s.enable_custom_op_fusion)
+
+    def _decide(self, values: dict, group, ctx: RunContext) -> Choice:
         baseline_only = any(isinstance(v, torch.Tensor) and
                             (not v.dtype.is_floating_point or v.numel() == 0)
                             for v in values.values())
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            log.warning("infini_dist: no decision for %s before CUDA-graph capture; running the "
-                        "unfused baseline (warm up eagerly first)", self.sub.signature()[:12])
-            return self._baseline(ctx)  # never tuned inside a capture, and not committed
         distributed = dist.is_initialized() and ctx.world_size > 1
         plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
         signature = {"subgraph": self.sub.signature(),
@@ -135,9 +179,7 @@ class SiteRunner:
                                 else (n, repr(v)) for n, v in values.items()]}
         if plane is not None:
             plane.agree(signature, "signature", "input shapes and dtypes")
-        choice = self._tune(values, ctx, plane, baseline_only)
-        self._committed[local] = choice
-        return choice
+        return self._tune(values, ctx, plane, baseline_only)
 
     def _baseline(self, ctx):
         choice = baseline_choice(self.graph, self.site)
@@ -163,6 +205,11 @@ class SiteRunner:
         if plane is not None:
             record = plane.broadcast(record if rank0 else None, "cache lookup")
         DECISIONS.count(hit=record is not None)
+        if record is None and not s.tune_at_request_time:
+            # The lookup was broadcast, so every rank raises here together.
+            raise TuningError(f"infini_dist: no decision for {self._about(values, ctx)} and "
+                              f"config.tune_at_request_time is False; warm this shape up first "
+                              f"(infini_dist.warmup or `infini-dist tune`)")
 
         choices, meta, reference = self.candidates(values, ctx)
         names = [c.name for c in choices]
@@ -174,11 +221,23 @@ class SiteRunner:
                 chosen = []
             if chosen:
                 log.debug("infini_dist: cache hit %s -> %s", key[:12], record["choice"])
+                # One lockstep run at the bucket bound sizes the choice's buffers for every
+                # count of the bucket now, not collectively at request time.
+                chosen[0].run(values)
                 self.last_decision = dict(record, source="cache")
                 return chosen[0]
             log.warning("infini_dist: cached choice %r is unavailable; tuning again",
                         record["choice"])
         return self._benchmark(choices, values, reference, meta, ctx, plane, key)
+
+    def _about(self, values, ctx) -> dict:
+        """What a record says of its site, for `infini-dist cache list`."""
+        tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+        tokens = buckets.tokens_of(values, self.settings)
+        return {"op": "+".join(n.op_type for n in self.sub.nodes),
+                "bucket": tokens and tokens.bound, "shapes": [list(t.shape) for t in tensors],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "world_size": ctx.world_size, "device": _device_name(ctx.device)}
 
     def _drop_failed(self, choices, meta, ctx, plane, step) -> list[Choice]:
         def precompile(choice):
@@ -289,17 +348,22 @@ class SiteRunner:
             if decided != mine:
                 raise RankMismatchError(f"infini_dist: rank {plane.rank} picked {mine!r} but rank "
                                         f"{plane.ranks[0]} picked {decided!r}")
-        record = {"choice": mine, "times_s": worst, "candidates": [c.name for c in survivors],
-                  "subgraph": self.sub.canonical(), "precompile_s": precompile_s,
-                  "tuning_s": time.perf_counter() - started}
+        record = dict(self._about(values, ctx), choice=mine, times_s=worst,
+                      candidates=[c.name for c in survivors], subgraph=self.sub.canonical(),
+                      precompile_s=precompile_s, tuning_s=time.perf_counter() - started)
         DECISIONS.put_memory(key, record)
         if (plane is None or plane.rank == 0) and s.enable_disk_cache:
             DECISIONS.write_disk(s.cache_dir, key, record)
         self.last_tuning = record
         self.last_decision = dict(record, source="tuned")
-        (log.warning if s.debug_mode else log.debug)(
-            "infini_dist: committed %s for %s (%s)", mine, key[:12],
-            ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(worst.items(), key=lambda x: x[1])))
+        if plane is None or plane.rank == 0:
+            report.tuned(f"infini_dist: tuned {record['op']} tokens<={record['bucket']} "
+                         f"{'/'.join(record['dtypes'])} -> {mine} {worst[mine] * 1e6:.1f}us "
+                         f"({len(survivors)} choices, {record['tuning_s']:.2f}s, {key[:12]})",
+                         loud=s.debug_mode)
+        log.debug("infini_dist: timings for %s: %s", key[:12],
+                  ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(worst.items(),
+                                                                       key=lambda x: x[1])))
         return next(c for c in survivors if c.name == mine)
 
 
