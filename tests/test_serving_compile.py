@@ -1,0 +1,51 @@
+"""Dynamic-shape graphs share the token buckets: a DTensor TP block compiled by Inductor with
+dynamic=True on 2 gloo ranks, run at 24 token counts, tunes each site once per bucket and
+matches eager at every count; the fused_site fake handles symbolic shapes."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from multirank import run_ranks
+from test_compile_tp import _env, _max_diff, _own_inductor_cache
+
+COUNTS = list(range(2, 26))  # 24 counts (1 would be specialised by Dynamo): buckets 2..32
+
+
+def dynamic_rank(rank, world):
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import infini_dist.compile as idc
+    import tp_block
+    from infini_dist.scheduler.cache import DECISIONS
+    _own_inductor_cache(rank)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    block = tp_block.shard(tp_block.Block(), mesh)
+    compiled = idc.compile_model(block, dynamic=True)
+    diffs, outs = [], []
+    with torch.no_grad():
+        for tokens in COUNTS:
+            x = torch.randn(1, tokens, 16, generator=torch.Generator().manual_seed(tokens))
+            out = compiled(x)
+            diffs.append(_max_diff(out, block(x)))
+            outs.append(out)
+    return {"diffs": diffs, "tunings": DECISIONS.misses, "sites": idc.stats["sites"],
+            "graphs": counters["stats"]["unique_graphs"], "outs": outs,
+            "buckets": sorted({d["bucket"] for d in idc.decisions()})}
+
+
+def test_dynamic_compile_tunes_once_per_bucket():
+    results = run_ranks(dynamic_rank, 2, env=_env(__import__("pathlib").Path(
+        __import__("tempfile").mkdtemp())), timeout=400)
+    for r in results:
+        assert r["sites"] == 2 and r["graphs"] == 1  # one dynamic graph for all 24 counts
+        assert max(r["diffs"]) < 1e-5
+        assert r["tunings"] <= 2 * 5  # 2 sites x buckets 2, 4, 8, 16, 32 (not 2 x 24)
+        assert r["buckets"] == [32]  # the last decision of each site: the bucket of 25
+    assert results[0]["tunings"] == results[1]["tunings"]
+    for a, b in zip(results[0]["outs"], results[1]["outs"]):
+        assert torch.equal(a, b)
