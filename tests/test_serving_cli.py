@@ -12,8 +12,8 @@ from infini_dist.launch import cache_cli, cli
 from infini_dist.scheduler.cache import DECISIONS
 
 
-def test_tune_then_list_show_and_clear(tmp_path, capsys):
-    cache = tmp_path / "cache"
+def test_tune_then_list_show_and_clear(tmp_path, capsys, isolated_cache):
+    cache = isolated_cache  # config.cache_dir: what the CLI reads without --cache-dir
     env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache), INFINI_DIST_BENCHMARK_REPS="2",
                INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"))
     done = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "tune", "--nproc", "2",
@@ -26,7 +26,7 @@ def test_tune_then_list_show_and_clear(tmp_path, capsys):
     # bar, and the two equal sites of the layer share their decisions.
     assert "infini-dist tune: 3 token counts, 2 site(s) tuned" in done.stdout
     assert done.stderr.count("infini_dist: tuned all_reduce+add tokens<=") == 2
-    assert done.stderr.count("infini_dist warm-up: 100%") == 1  # one bar: rank 0's
+    assert "infini_dist warm-up: 100%" in done.stderr  # rank 0's bar (test_serving: only)
     keys = sorted(p.stem for p in cache.glob("*.json"))
     assert len(keys) == 2
 
@@ -46,7 +46,7 @@ def test_tune_then_list_show_and_clear(tmp_path, capsys):
         fields = lines[key[:12]].split()
         assert fields[1:5] == ["all_reduce+add", str(record["bucket"]), "float32/float32",
                                record["choice"]]
-        assert fields[-1] == "2.13.0+cpu" or "(stale)" not in lines[key[:12]]
+        assert "(stale)" not in lines[key[:12]]
     assert "(unreadable)" in lines["ffff0000corr"] and "(stale)" in lines["eeee0000stal"]
     assert "4 decision(s)" in listing
 
