@@ -13,13 +13,12 @@ configured cache dir (`INFINI_DIST_CACHE_DIR`), where later jobs load them.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 
 import infini_dist
-from infini_dist.launch import shutdown
+from infini_dist.launch import init_job, shutdown
 
 
 def parse_args(argv=None):
@@ -66,12 +65,7 @@ def _decoder(args, device, dtype):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = init_job()
     shared = torch.Generator(device=device).manual_seed(0)  # the same inputs on every rank
     if args.model == "ops":
         model = _ops_model(args.eps)

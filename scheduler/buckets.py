@@ -1,7 +1,7 @@
 """Token buckets: one decision per bucket of a site's token count, not per exact count.
 
-A site's token count is the rows of its main input (its first tensor input): the product of all
-dims but the last. Bucket upper bounds are `config.token_buckets`, or powers of two when that is
+A site's token count is the rows of its main input (its first tensor input of two or more dims:
+a compiled site may list a norm weight first): the product of all dims but the last. Bucket upper bounds are `config.token_buckets`, or powers of two when that is
 empty, capped at `config.max_token_bucket`; a count above the largest bound is a bucket of its own
 (tuned at that exact count: prefill sizes are few and large, and a decision for a size far from
 the one measured would not be worth trusting).
@@ -45,9 +45,9 @@ class Tokens:
 def tokens_of(values: dict, settings: Settings) -> Tokens | None:
     """The token rows of a site's inputs, or None where the site has no token dim."""
     tensors = [(n, v) for n, v in values.items() if isinstance(v, torch.Tensor)]
-    if not tensors or tensors[0][1].dim() < 2 or tensors[0][1].numel() == 0:
+    main = next((v for _, v in tensors if v.dim() >= 2), None)
+    if main is None or main.numel() == 0:
         return None
-    main = tensors[0][1]
     rows = main.numel() // main.shape[-1]
     names = tuple(n for n, v in tensors if v.dim() >= 2 and math.prod(v.shape[:-1]) == rows)
     return Tokens(rows, bucket_of(rows, settings), names)

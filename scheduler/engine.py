@@ -69,7 +69,7 @@ def _is_unfused(choice: Choice) -> bool:
 
 
 class SiteRunner:
-    """One site of one graph: its committed choice per input signature."""
+    """One site of one graph: its decision per token bucket, compiled per exact signature."""
 
     def __init__(self, graph: SubGraph, site: Site, settings: Settings):
         self.graph = graph
