@@ -49,12 +49,6 @@ def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
                     live_outputs(graph, region))
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
-
-
 def _digest(values: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(values):
@@ -189,7 +183,7 @@ class SiteRunner:
     def _key(self, values, ctx) -> str:
         tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
-                                  group_size=ctx.world_size, device=_device_name(ctx.device),
+                                  group_size=ctx.world_size, device=report.device_name(ctx.device),
                                   settings=self.settings.decision_fields(), **versions())
 
     def _tune(self, values, ctx, plane: ControlPlane | None, baseline_only: bool) -> Choice:
@@ -231,13 +225,8 @@ class SiteRunner:
         return self._benchmark(choices, values, reference, meta, ctx, plane, key)
 
     def _about(self, values, ctx) -> dict:
-        """What a record says of its site, for `infini-dist cache list`."""
-        tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         tokens = buckets.tokens_of(values, self.settings)
-        return {"op": "+".join(n.op_type for n in self.sub.nodes),
-                "bucket": tokens and tokens.bound, "shapes": [list(t.shape) for t in tensors],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "world_size": ctx.world_size, "device": _device_name(ctx.device)}
+        return report.describe(self.sub, values, tokens and tokens.bound, ctx)
 
     def _drop_failed(self, choices, meta, ctx, plane, step) -> list[Choice]:
         def precompile(choice):
