@@ -69,9 +69,11 @@ class _Warnings(logging.Handler):
 class Bench:
     """Runs, times and checks one variant at one shape; all cross-rank agreement over gloo."""
 
-    def __init__(self, args, device, control):
+    def __init__(self, args, device, control, capture: bool = True):
         self.args, self.device, self.control = args, device, control
         self.cuda = device.type == "cuda"
+        # False where the variants bring their own CUDA graphs (mode="reduce-overhead").
+        self.capture_graphs = capture and self.cuda
 
     def sync(self):
         if self.cuda:
@@ -163,7 +165,7 @@ class Bench:
             row["pass_graphs"] = idc.stats["graphs"] - pass_graphs
             row["decisions"] = summarize(idc.decisions())
         graph, out = None, None
-        if self.cuda:
+        if self.capture_graphs:
             error = None
             try:
                 with torch.no_grad():
@@ -204,12 +206,21 @@ class Bench:
 
 
 def bench_shape(bench: Bench, model: Decoder, compiled: dict, shape: Shape, dtype) -> list[dict]:
-    args = bench.args
     x, pos, caches = make_inputs(model.cfg, model, shape, bench.device, dtype)
     calls = {"eager": lambda: model(x, pos, caches, eager_nccl=True)}
     calls.update({v: (lambda f=f: f(x, pos, caches)) for v, f in compiled.items()})
+    rows = run_shape(bench, shape, calls)
+    del x, pos, caches
+    if bench.cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_shape(bench: Bench, shape: Shape, calls: dict) -> list[dict]:
+    """Every variant of `calls` (name -> call returning the output) at one shape, in
+    args.variants order, each with its relative L2 error against the "eager" call's output."""
     rows, outputs = [], {}
-    for variant in args.variants:
+    for variant in bench.args.variants:
         row, outputs[variant] = bench.run(variant, calls[variant])
         row["shape"], row["kind"], row["batch"], row["tokens"] = (shape.name, shape.kind,
                                                                   shape.batch, shape.tokens)
@@ -225,9 +236,6 @@ def bench_shape(bench: Bench, model: Decoder, compiled: dict, shape: Shape, dtyp
         if reference is not None and outputs.get(row["variant"]) is not None \
                 and row["variant"] != "eager":
             row["rel_l2_vs_eager"] = bench.rel_l2(outputs[row["variant"]], reference)
-    del x, pos, caches, outputs
-    if bench.cuda:
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -295,6 +303,21 @@ def setup(args):
     return device, torch.bfloat16, dist.new_group(backend="gloo")
 
 
+def run_meta(args, device, dtype, started: float) -> dict:
+    """What results.json says about the run itself."""
+    meta = {"world_size": dist.get_world_size(), "dtype": str(dtype).replace("torch.", ""),
+            "variants": args.variants, "iters": args.iters,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "cpu_smoke": args.cpu_smoke, "tol": args.tol,
+            "wall_s": time.perf_counter() - started}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return meta
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -320,17 +343,8 @@ def main(argv=None) -> int:
     if rank == 0:
         print_details(rows)
         os.makedirs(args.out, exist_ok=True)
-        meta = {"world_size": dist.get_world_size(), "model": asdict(args.model),
-                "dtype": str(dtype).replace("torch.", ""), "variants": args.variants,
-                "iters": args.iters, "device": torch.cuda.get_device_name(device)
-                if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                "cpu_smoke": args.cpu_smoke, "tol": args.tol,
-                "wall_s": time.perf_counter() - started}
-        try:
-            import triton
-            meta["triton"] = triton.__version__
-        except ImportError:
-            pass
+        meta = run_meta(args, device, dtype, started)
+        meta["model"] = asdict(args.model)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)
         plotted = plot(rows, shapes, os.path.join(args.out, "latency.png"))

@@ -38,6 +38,9 @@ def main(argv=None) -> int:
         if name == "bench":
             p.add_argument("--model", action="store_true",
                            help="the end-to-end TP decoder benchmark (launch/bench_model.py)")
+            p.add_argument("--hf", metavar="FAMILY[,FAMILY]",
+                           help="Hugging Face models under transformers' TP: llama, qwen2, "
+                                "mistral (launch/bench_hf.py)")
     # Its own parser reads the rest, -h included.
     sub.add_parser("cache", help="list | show KEY | clear [KEY ...] decisions", add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -49,8 +52,12 @@ def main(argv=None) -> int:
         parser.error("--nproc must be >= 1")
     module = {"demo": "infini_dist.launch.demo", "bench": "infini_dist.launch.bench",
               "tune": "infini_dist.launch.tune"}[args.command]
+    if getattr(args, "model", False) and getattr(args, "hf", None):
+        parser.error("bench: --model or --hf, not both")
     if getattr(args, "model", False):
         module = "infini_dist.launch.bench_model"
+    if getattr(args, "hf", None):
+        module, rest = "infini_dist.launch.bench_hf", ["--hf", args.hf, *rest]
     return torchrun(module, nproc, rest)
 
 

@@ -27,7 +27,8 @@ def _cell(row, key, fmt):
     return "-" if value is None else format(value, fmt)
 
 
-def summary(rows, shapes, args, smoke: bool) -> tuple[list[str], dict]:
+def summary(rows, shapes, args, smoke: bool, target_speedup: float = SPEEDUP_TARGET,
+            target_max_batch: int = TARGET_MAX_BATCH) -> tuple[list[str], dict]:
     by = {(r["shape"], r["variant"]): r for r in rows}
     lines, verdict = [], {"target_misses": [], "check_failures": []}
     head = (f"{'shape':>14s} {'inductor':>10s} {'+infini':>10s} {'eager':>10s} {'b/a':>6s} "
@@ -39,8 +40,8 @@ def summary(rows, shapes, args, smoke: bool) -> tuple[list[str], dict]:
         speedup = None
         if a and b and a.get("median_us") and b.get("median_us"):
             speedup = a["median_us"] / b["median_us"]
-            target = SPEEDUP_TARGET if shape.kind == "decode" and \
-                shape.batch <= TARGET_MAX_BATCH else 1.0
+            target = target_speedup if shape.kind == "decode" and \
+                shape.batch <= target_max_batch else 1.0
             if speedup < target:
                 verdict["target_misses"].append(f"{shape.name}: {speedup:.2f}x < {target}x")
         elif a is not None and b is not None:
@@ -58,8 +59,8 @@ def summary(rows, shapes, args, smoke: bool) -> tuple[list[str], dict]:
                      f"{_cell(b, 'sites', 'd'):>5s} {_cell(b, 'rel_l2_vs_eager', '.2e'):>10s} "
                      f"{_cell(a, 'rel_l2_vs_eager', '.2e'):>10s}  {','.join(chosen) or '-'}")
     where = " (CPU smoke: the timings say nothing about GPUs)" if smoke else ""
-    lines.append(f"target: infini_dist >= {SPEEDUP_TARGET}x over inductor at decode batch <= "
-                 f"{TARGET_MAX_BATCH}, never slower: " + (
+    lines.append(f"target: infini_dist >= {target_speedup}x over inductor at decode batch <= "
+                 f"{target_max_batch}, never slower: " + (
                      "met" if not verdict["target_misses"] else
                      "NOT met: " + "; ".join(verdict["target_misses"])) + where)
     lines.append(f"correctness: infini_dist vs eager, relative L2 <= {args.tol:g}: " + (
@@ -87,7 +88,7 @@ def print_details(rows):
                       + (f"; us: {times}" if times else ""))
 
 
-def plot(rows, shapes, path) -> bool:
+def plot(rows, shapes, path, title: str = "TP decoder step latency") -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -105,7 +106,7 @@ def plot(rows, shapes, path) -> bool:
     ax.set_xticks([j + width for j in range(len(shapes))], [s.name for s in shapes])
     ax.set_yscale("log")
     ax.set_ylabel("us per step (median, max over ranks)")
-    ax.set_title("TP decoder step latency")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

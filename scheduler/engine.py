@@ -29,6 +29,7 @@ from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMe
 from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.ops import close_enough
+from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.shapes import site_meta
 
 log = logging.getLogger("infini_dist")
@@ -97,26 +98,29 @@ class SiteRunner:
         group on the bucket's first count) compiled for these shapes. Every rank sees the same
         counts in the same order, so each takes the same path with no exchange."""
         ctx = self._context(values, group)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            log.warning("infini_dist: no choice for %s at these shapes before CUDA-graph "
+                        "capture; running the unfused baseline (warm up eagerly first)",
+                        self.sub.signature()[:12])
+            return self._baseline(ctx)  # never tuned or compiled inside a capture, not committed
+        # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
+        choice = self._committed[local] = run_aside(lambda: self._commit_aside(values, group, ctx),
+                                                    ctx.device)
+        return choice
+
+    def _commit_aside(self, values: dict, group, ctx: RunContext) -> Choice:
         tokens = buckets.tokens_of(values, self.settings)
         bucket = (id(group),) + buckets.signature(values, tokens)
         name = self._decided.get(bucket)
         if name is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                log.warning("infini_dist: no decision for %s before CUDA-graph capture; running "
-                            "the unfused baseline (warm up eagerly first)",
-                            self.sub.signature()[:12])
-                return self._baseline(ctx)  # never tuned inside a capture, and not committed
             tuned_values = buckets.at_bound(values, tokens) if tokens else values
             choice = self._decide(tuned_values, group, ctx)
             self._decided[bucket] = choice.name
             if buckets.same_layout(values, tuned_values):
-                self._committed[local] = choice
                 return choice
             name = choice.name
-        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return self._baseline(ctx)  # compiling here would run kernels inside the capture
         choice = self._specialize(name, values, ctx)
-        self._committed[local] = choice
+        choice.run(values)  # its first call (launch binding) here too, every rank alike
         return choice
 
     def _specialize(self, name: str, values: dict, ctx: RunContext) -> Choice:
@@ -173,7 +177,12 @@ class SiteRunner:
                                 else (n, repr(v)) for n, v in values.items()]}
         if plane is not None:
             plane.agree(signature, "signature", "input shapes and dtypes")
-        return self._tune(values, ctx, plane, baseline_only)
+        choice = self._tune(values, ctx, plane, baseline_only)
+        # The committed choice's first call (collective setup after a cache hit: symmetric
+        # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank,
+        # at the bucket bound: buffers are sized for every count of the bucket.
+        choice.run(values)
+        return choice
 
     def _baseline(self, ctx):
         choice = baseline_choice(self.graph, self.site)
@@ -215,9 +224,6 @@ class SiteRunner:
                 chosen = []
             if chosen:
                 log.debug("infini_dist: cache hit %s -> %s", key[:12], record["choice"])
-                # One lockstep run at the bucket bound sizes the choice's buffers for every
-                # count of the bucket now, not collectively at request time.
-                chosen[0].run(values)
                 self.last_decision = dict(record, source="cache")
                 return chosen[0]
             log.warning("infini_dist: cached choice %r is unavailable; tuning again",

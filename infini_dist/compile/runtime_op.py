@@ -7,6 +7,8 @@ compiled code (and Inductor's FX graph cache) carries the site itself, identical
 no registry has to be filled before a cached graph can run. At run time the engine tunes the site
 across its group on the first call per input signature and runs the committed choice after that;
 under CUDA-graph capture without a decision it runs the unfused baseline (SiteRunner._decide).
+First calls work on a thread of their own (scheduler/setup_thread.py), so CUDA-graph trees can
+warm up and record compiled graphs with these ops from the first call.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 import infini_dist
+from infini_dist.compile.cudagraph_tree_state import settle_failed_warmup
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
 from infini_dist.scheduler.shapes import shape_env
@@ -95,7 +98,11 @@ def fused_site(inputs: list[torch.Tensor], graph: str) -> list[torch.Tensor]:
     if len(inputs) != len(names):
         raise ValueError(f"infini_dist.fused_site: the site reads {len(names)} tensors, "
                          f"got {len(inputs)}")
-    values = executor.run(dict(zip(names, inputs)), None)
+    try:
+        values = executor.run(dict(zip(names, inputs)), None)
+    except BaseException:
+        settle_failed_warmup(inputs)  # other compiled models keep working
+        raise
     return _unaliased([values[name] for name in executor.graph.output_names], list(inputs))
 
 

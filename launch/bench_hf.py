@@ -1,0 +1,276 @@
+"""Hugging Face models under transformers' own tensor parallelism: reduce-overhead torch.compile,
+plain against the infini_dist pass, and eager.
+
+    infini-dist bench --hf llama,qwen2,mistral --out $OUT/hf     (one rank per GPU)
+    infini-dist bench --hf llama --nproc 2 --cpu-smoke --layers 2 --hidden 64 --mlp 128 \\
+        --heads 4 --kv-heads 2 --vocab 256 --context 8 --batches 2 --prefill 16   (gloo, fp32)
+
+Per family (llama, qwen2, mistral): a config of --layers layers (hidden 4096, MLP 14336, 32 / 8
+heads, vocab 32000 by default) with random weights, built and saved with save_pretrained by rank
+0 into a temp dir under --out, then loaded on every rank with `tp_plan="auto"` (transformers'
+DTensor TP: `distributed_config=DistributedConfig(tp_plan="auto")` where transformers has it,
+the `tp_plan=` argument before). Nothing is downloaded.
+
+Shapes: one decode step at each --batches size, over a StaticCache already filled with --context
+positions by an eager prefill (the step writes position --context and reads the rest, so it can
+be repeated and replayed); prefill of each --prefill length at batch 1 without a cache, logits of
+the last position only (as generate() does).
+
+Variants (names shared with `bench --model`'s report):
+  inductor      torch.compile(model, mode=--mode)                           (plain)
+  infini_dist   infini_dist.compile.compile_model(model, mode=--mode)       (with the pass)
+  eager         the TP model uncompiled (DTensor ops)
+--mode is reduce-overhead on GPU (cudagraph trees: the graphs are torch's, not ours) and default
+on CPU. Each is timed over --iters calls after its first call (compile, tuning) and one more
+(the cudagraph recording): median per rank, max over ranks. The error is the relative L2 of the
+logits against eager's, max over ranks. A compile or run failure becomes a table entry.
+
+Writes a table per family on rank 0, results.json and latency_<family>.png under --out. Exit
+status 1 when infini_dist's logits do not match eager's within --tol (or could not be checked);
+the speed target (>= 1.2x over plain reduce-overhead at decode batch <= 32, never slower at
+prefill) is reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from infini_dist.launch import shutdown
+from infini_dist.launch.bench_model import Bench, run_meta, run_shape, setup
+from infini_dist.launch.model_report import VARIANTS, plot, print_details, summary
+from infini_dist.launch.tp_decoder import Shape
+
+FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+TARGET_SPEEDUP, TARGET_MAX_BATCH = 1.2, 32
+
+
+# ---- the model ------------------------------------------------------------------------------------
+
+def make_config(family: str, args):
+    import transformers
+    config_class = getattr(transformers, FAMILIES[family])
+    # Full attention everywhere: Mistral's default sliding window would make the decode step
+    # read a different span than prefill at long contexts.
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    return config_class(hidden_size=args.hidden, intermediate_size=args.mlp,
+                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                        num_hidden_layers=args.layers, vocab_size=args.vocab,
+                        max_position_embeddings=max([args.context + 1, *args.prefill]),
+                        tie_word_embeddings=False, **extra)
+
+
+def tp_load_kwargs() -> dict:
+    """transformers >= 5.18 takes the plan in DistributedConfig; 5.17 (GPU image): tp_plan=."""
+    import transformers
+    config_class = getattr(transformers, "DistributedConfig", None)
+    if config_class is not None and "tp_plan" in inspect.signature(config_class).parameters:
+        return {"distributed_config": config_class(tp_plan="auto")}
+    return {"tp_plan": "auto"}
+
+
+def load_tp_model(family: str, args, device, dtype, control):
+    """Random weights saved by rank 0, loaded sharded on every rank."""
+    from transformers import AutoModelForCausalLM
+    path = [None, None]  # the directory, or rank 0's error: the others must not wait for it
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            path[0] = tempfile.mkdtemp(prefix=f"{family}-", dir=args.out)
+            torch.manual_seed(0)
+            with torch.device(device):  # random init of ~1B parameters is slow on the host
+                model = AutoModelForCausalLM.from_config(make_config(family, args), dtype=dtype)
+            model.save_pretrained(path[0])
+            del model
+        except Exception as error:  # noqa: BLE001 - raised on every rank below
+            path[1] = f"{type(error).__name__}: {error}"
+    dist.broadcast_object_list(path, src=0, group=control)
+    if path[1]:
+        if path[0] and dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+        raise RuntimeError(f"rank 0 could not build and save the {family} model: {path[1]}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype, **tp_load_kwargs())
+    finally:
+        dist.barrier(group=control)  # every rank has read the files (or failed to)
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+    return model.eval()
+
+
+# ---- shapes ---------------------------------------------------------------------------------------
+
+def shape_calls(model, compiled: dict, shape: Shape, args, device) -> dict:
+    """name -> call returning the logits; every rank builds the same token ids."""
+    from transformers import StaticCache
+    gen = torch.Generator(device=device).manual_seed(11 + shape.batch * 7 + shape.tokens)
+    vocab, counters = model.config.vocab_size, []
+    if shape.kind == "prefill":
+        ids = torch.randint(0, vocab, (1, shape.tokens), generator=gen, device=device)
+        kwargs = {"input_ids": ids, "use_cache": False, "logits_to_keep": 1}
+    else:
+        prompt = torch.randint(0, vocab, (shape.batch, args.context), generator=gen, device=device)
+        cache = StaticCache(config=model.config, max_cache_len=args.context + 1)
+        with torch.no_grad():  # eager prefill: the cache is initialised (and marked static) here
+            model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                  cache_position=torch.arange(args.context, device=device))
+        ids = torch.randint(0, vocab, (shape.batch, 1), generator=gen, device=device)
+        kwargs = {"input_ids": ids, "past_key_values": cache, "use_cache": True,
+                  "cache_position": torch.tensor([args.context], device=device)}
+        # Newer transformers (5.23) keep the fill level on the device and advance it at every
+        # update, instead of writing at cache_position; it goes back before each step.
+        counters = [layer.cumulative_length for layer in cache.layers
+                    if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        starts = [c.clone() for c in counters]
+    graphs = device.type == "cuda" and args.mode != "default"  # cudagraph trees
+
+    def call(fn):
+        if counters:
+            torch._foreach_copy_(counters, starts)
+        if graphs:  # each call is a new step: the last one's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(**kwargs).logits
+
+    calls = {"eager": lambda: call(model)}
+    calls.update({v: (lambda f=f: call(f)) for v, f in compiled.items()})
+    return calls
+
+
+def bench_family(bench: Bench, family: str, args, device, dtype, control) -> list[dict]:
+    import infini_dist.compile as idc
+    begin = time.perf_counter()
+    model = load_tp_model(family, args, device, dtype, control)
+    load_s = bench.worst(time.perf_counter() - begin)
+    mode = None if args.mode == "default" else args.mode
+    compiled = {}
+    if "inductor" in args.variants:
+        compiled["inductor"] = torch.compile(model, mode=mode, dynamic=False)
+    if "infini_dist" in args.variants:
+        compiled["infini_dist"] = idc.compile_model(model, mode=mode, dynamic=False)
+    if dist.get_rank() == 0:
+        print(f"\n{family}: loaded with transformers TP in {load_s:.1f}s", flush=True)
+    rows = []
+    for shape in args.shapes:
+        for row in run_shape(bench, shape, shape_calls(model, compiled, shape, args, device)):
+            row["family"] = family
+            rows.append(row)
+        if bench.cuda:
+            torch.cuda.empty_cache()
+    del model, compiled
+    torch._dynamo.reset()  # drop this family's graphs (and cudagraph trees) before the next
+    gc.collect()
+    if bench.cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hf", default=",".join(FAMILIES), dest="families",
+                        help=f"comma-separated families among {','.join(FAMILIES)}")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--mlp", type=int, default=14336)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--context", type=int, default=1024,
+                        help="positions in the static KV cache before the decode step")
+    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes ('' for none)")
+    parser.add_argument("--prefill", default="1024,2048", help="prefill lengths ('' for none)")
+    parser.add_argument("--iters", type=int, default=100, help="timed calls per variant and shape")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--mode", default=None, choices=["default", "reduce-overhead",
+                                                         "max-autotune"],
+                        help="torch.compile mode of both compiled variants (default: "
+                             "reduce-overhead on GPU, default with --cpu-smoke)")
+    # bf16 logits of 4 random layers: plain Inductor against eager is the yardstick.
+    parser.add_argument("--tol", type=float, default=None,
+                        help="max relative L2 error of the logits vs eager (default 5e-2 bf16, "
+                             "1e-4 fp32)")
+    parser.add_argument("--out", default="bench_hf_out")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="gloo CPU ranks, float32, no CUDA graphs: checks the script itself")
+    args = parser.parse_args(argv)
+    args.families = [f.strip() for f in args.families.split(",") if f.strip()]
+    if not args.families or set(args.families) - set(FAMILIES):
+        parser.error(f"--hf: choose among {','.join(FAMILIES)}, got {args.families}")
+    requested = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.variants = [v for v in VARIANTS if v in requested]
+    if set(requested) - set(VARIANTS) or not args.variants:
+        parser.error(f"--variants: choose among {','.join(VARIANTS)}, got {requested}")
+    args.batches, args.prefill = _ints(args.batches), _ints(args.prefill)
+    if args.iters < 1 or args.context < 1 or min(args.batches + args.prefill, default=1) < 1:
+        parser.error("need --iters, --context, batch sizes and prefill lengths >= 1")
+    args.shapes = [Shape("decode", b, 1) for b in args.batches] + \
+        [Shape("prefill", 1, t) for t in args.prefill]
+    if not args.shapes:
+        parser.error("no shape: give --batches or --prefill")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before any rank joins a group
+    if args.heads % args.kv_heads or args.kv_heads % world or args.mlp % world:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}, "
+                     f"and --kv-heads and --mlp {args.mlp} divisible by {world} ranks")
+    args.mode = args.mode or ("default" if args.cpu_smoke else "reduce-overhead")
+    if args.tol is None:
+        args.tol = 1e-4 if args.cpu_smoke else 5e-2
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    device, dtype, control = setup(args)
+    rank = dist.get_rank()
+    if rank == 0:
+        print(f"TP={dist.get_world_size()} {device.type} {dtype}, transformers TP, "
+              f"families {args.families}; inductor = torch.compile(mode={args.mode!r}), "
+              f"infini_dist = the same with the pass; {args.iters} timed calls each", flush=True)
+    bench = Bench(args, device, control, capture=False)
+    rows, verdict, lines = [], {"target_misses": [], "check_failures": []}, []
+    for family in args.families:
+        family_rows = bench_family(bench, family, args, device, dtype, control)
+        rows += family_rows
+        family_lines, family_verdict = summary(family_rows, args.shapes, args, args.cpu_smoke,
+                                               TARGET_SPEEDUP, TARGET_MAX_BATCH)
+        lines += ["", f"== {family} =="] + family_lines
+        for key, misses in family_verdict.items():
+            verdict[key] += [f"{family} {m}" for m in misses]
+        if rank == 0:
+            print_details(family_rows)
+    if rank == 0:
+        import transformers
+        os.makedirs(args.out, exist_ok=True)
+        meta = run_meta(args, device, dtype, started)
+        meta.update(families=args.families, transformers=transformers.__version__,
+                    mode=args.mode, config={k: getattr(args, k) for k in (
+                        "layers", "hidden", "mlp", "heads", "kv_heads", "vocab", "context")})
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)
+        plotted = [plot([r for r in rows if r["family"] == family], args.shapes,
+                        os.path.join(args.out, f"latency_{family}.png"),
+                        title=f"{family}, transformers TP={meta['world_size']}, {args.mode}")
+                   for family in args.families]
+        print(f"\nwrote {args.out}/results.json" + (" and latency_*.png" if all(plotted) else "")
+              + f"; {meta['wall_s']:.0f}s in all")
+        print("\n".join(lines), flush=True)
+    shutdown()
+    return 1 if verdict["check_failures"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""`infini-dist bench --hf`: Hugging Face models under transformers' own TP (DTensor, gloo).
+
+One run on 2 CPU ranks with a one-layer Llama (random weights saved and loaded with
+tp_plan="auto"): a decode step over a StaticCache and a prefill, the infini_dist pass against
+eager. The plain compiled variant is left out there (it is the same code path with another
+torch.compile call) to keep to two Inductor compiles, the slow part. The rest runs in process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers' TP loading needs it
+
+from infini_dist.launch import bench_hf  # noqa: E402
+
+TINY = ["--layers", "1", "--hidden", "64", "--mlp", "128", "--heads", "4", "--kv-heads", "2",
+        "--vocab", "256", "--context", "8", "--batches", "2", "--prefill", "16", "--iters", "2"]
+
+
+def test_cpu_smoke_llama_tp(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"), INFINI_DIST_BENCHMARK_REPS="2",
+               INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+               HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "bench", "--hf", "llama",
+                          "--nproc", "2", "--cpu-smoke", *TINY, "--variants", "infini_dist,eager",
+                          "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    data = json.loads((out / "results.json").read_text())
+    meta = data["meta"]
+    assert meta["world_size"] == 2 and meta["families"] == ["llama"] and meta["mode"] == "default"
+    assert meta["config"]["hidden"] == 64
+    rows = {(r["family"], r["shape"], r["variant"]): r for r in data["rows"]}
+    assert set(rows) == {("llama", s, v) for s in ("decode b2", "prefill 16")
+                         for v in ("infini_dist", "eager")}
+    for (_, shape, variant), row in rows.items():
+        assert "error" not in row, row
+        assert row["median_us"] > 0 and math.isfinite(row["median_us"])
+        if variant == "eager":
+            continue
+        # fp32: only reordering separates the compiled TP model from eager DTensor
+        assert math.isfinite(row["rel_l2_vs_eager"]) and row["rel_l2_vs_eager"] < 1e-4
+        assert row["dynamo_graphs"] == 1
+        # embedding all_reduce -> input RMSNorm, o_proj -> add + RMSNorm, down_proj -> add +
+        # final norm: DTensor's all_reduces in transformers' Llama plan, all rewritten
+        assert row["sites"] == 3 and row["pass_graphs"] == 1, row
+        assert len(row["decisions"]) == 3
+        for d in row["decisions"]:
+            assert d["choice"] in d["times_us"] and "unfused" in d["times_us"]
+    assert data["verdict"]["check_failures"] == []
+    # no model directory left behind under --out
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    assert lines[-1] == "correctness: infini_dist vs eager, relative L2 <= 0.0001: ok"
+    assert lines[-2].startswith("target: infini_dist >= 1.2x over inductor at decode batch <= 32")
+    for line, shape in zip(lines[-4:-2], ("decode b2", "prefill 16")):
+        b = rows[("llama", shape, "infini_dist")]
+        assert line.strip().startswith(shape) and f"{b['median_us']:.1f}" in line
+    assert "== llama ==" in run.stdout
+
+
+def test_configs_of_every_family():
+    args = bench_hf.parse_args(TINY + ["--hf", "llama,qwen2,mistral"])
+    assert args.families == ["llama", "qwen2", "mistral"] and args.mode == "reduce-overhead"
+    assert [s.name for s in args.shapes] == ["decode b2", "prefill 16"]
+    for family in args.families:
+        cfg = bench_hf.make_config(family, args)
+        assert cfg.model_type == family
+        assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                cfg.num_key_value_heads, cfg.num_hidden_layers, cfg.vocab_size) == \
+            (64, 128, 4, 2, 1, 256)
+        assert cfg.max_position_embeddings >= 16 and not cfg.tie_word_embeddings
+        assert getattr(cfg, "sliding_window", None) is None or family == "qwen2" \
+            and not cfg.use_sliding_window
+
+
+def test_tp_plan_argument_follows_transformers(monkeypatch):
+    import transformers
+    kwargs = bench_hf.tp_load_kwargs()
+    if "distributed_config" in kwargs:  # 5.18 and later
+        assert kwargs["distributed_config"].tp_plan == "auto"
+
+    class Older:  # a DistributedConfig without the plan, as before 5.18
+        def __init__(self, enable_expert_parallel: bool = False):
+            pass
+    for stand_in in (Older, None):
+        monkeypatch.setattr(transformers, "DistributedConfig", stand_in)
+        assert bench_hf.tp_load_kwargs() == {"tp_plan": "auto"}  # 5.17, the GPU image
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hf", "gpt2"], "--hf: choose among llama,qwen2,mistral"),
+    (["--variants", "nope"], "--variants: choose among"),
+    (["--batches", "", "--prefill", ""], "no shape"),
+    (["--heads", "6", "--kv-heads", "4"], "must be a multiple of --kv-heads 4"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_hf.parse_args(argv)
+    assert message in capsys.readouterr().err
