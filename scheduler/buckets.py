@@ -1,10 +1,11 @@
 """Token buckets: one decision per bucket of a site's token count, not per exact count.
 
-A site's token count is the rows of its main input (its first tensor input of two or more dims:
-a compiled site may list a norm weight first): the product of all dims but the last. Bucket upper bounds are `config.token_buckets`, or powers of two when that is
-empty, capped at `config.max_token_bucket`; a count above the largest bound is a bucket of its own
-(tuned at that exact count: prefill sizes are few and large, and a decision for a size far from
-the one measured would not be worth trusting).
+A site's token count is the rows of its main input (its first input of two or more dims: a
+compiled site may list a norm weight first): the product of all dims but the last. Bucket upper
+bounds are `config.token_buckets`, or powers of two when that is empty, capped at
+`config.max_token_bucket`; a count above the largest bound is a bucket of its own (tuned at that
+exact count: prefill sizes are few and large, and a decision for a size far from the one measured
+would not be worth trusting).
 
 A bucket is tuned at its upper bound, on inputs whose token rows are the real rows repeated
 (`at_bound`): so every algorithm's size cap holds for every count in the bucket, and the

@@ -1,10 +1,11 @@
 """Deferred choice, end to end: run a graph, and tune each site across its group on first sight.
 
-Per site and input signature, all ranks of the site's group, in lockstep over the control plane:
-agree on the signature -> agree on cache hit/miss -> agree on the choice list -> precompile in a
-thread pool and drop what failed anywhere -> per choice: trial run checked against the baseline,
-failures dropped everywhere, then timed -> medians combined by MAX -> argmin (ties by name, fused
-only past the speed-up threshold) -> rank 0's pick broadcast and checked -> commit to the cache.
+Per site and token bucket (scheduler/buckets.py: tuned at the bound, compiled per exact count),
+all ranks of the site's group, in lockstep over the control plane: agree on the signature ->
+agree on cache hit/miss -> agree on the choice list -> precompile in a thread pool and drop what
+failed anywhere -> per choice: trial run checked against the baseline, failures dropped
+everywhere, then timed -> medians combined by MAX -> argmin (ties by name, fused only past the
+speed-up threshold) -> rank 0's pick broadcast and checked -> commit to the cache.
 """
 
 from __future__ import annotations
@@ -352,7 +353,8 @@ class SiteRunner:
         self.last_tuning = record
         self.last_decision = dict(record, source="tuned")
         if plane is None or plane.rank == 0:
-            report.tuned(f"infini_dist: tuned {record['op']} tokens<={record['bucket']} "
+            bucket = f" tokens<={record['bucket']}" if record["bucket"] else ""
+            report.tuned(f"infini_dist: tuned {record['op']}{bucket} "
                          f"{'/'.join(record['dtypes'])} -> {mine} {worst[mine] * 1e6:.1f}us "
                          f"({len(survivors)} choices, {record['tuning_s']:.2f}s, {key[:12]})",
                          loud=s.debug_mode)
