@@ -97,7 +97,7 @@ class SiteRunner:
     def _commit(self, values: dict, group, local: tuple) -> Choice:
         """The choice for an exact signature: its bucket's decision (tuned or loaded across the
         group on the bucket's first count) compiled for these shapes. Every rank sees the same
-        counts in the same order, so each takes the same path with no exchange."""
+        counts in the same order (agreed), so each takes the same path."""
         ctx = self._context(values, group)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             log.warning("infini_dist: no choice for %s at these shapes before CUDA-graph "
@@ -112,35 +112,39 @@ class SiteRunner:
     def _commit_aside(self, values: dict, group, ctx: RunContext) -> Choice:
         tokens = buckets.tokens_of(values, self.settings)
         bucket = (id(group),) + buckets.signature(values, tokens)
+        # Every new exact signature is agreed (one small exchange): ranks whose counts differ
+        # but share a bucket would otherwise each compile for their own and meet in a kernel.
+        plane = self._agree(values, group, ctx, tokens and tokens.bound)
         name = self._decided.get(bucket)
         if name is None:
             tuned_values = buckets.at_bound(values, tokens) if tokens else values
-            choice = self._decide(tuned_values, group, ctx)
+            choice = self._decide(tuned_values, ctx, plane)
             self._decided[bucket] = choice.name
             if buckets.same_layout(values, tuned_values):
                 return choice
             name = choice.name
-        choice = self._specialize(name, values, ctx)
+        choice = self._specialize(name, values, ctx, plane)
         choice.run(values)  # its first call (launch binding) here too, every rank alike
         return choice
 
-    def _specialize(self, name: str, values: dict, ctx: RunContext) -> Choice:
-        """The committed `name` compiled for these exact shapes, locally. Where it cannot run
-        them (support is a pure function of shapes, so every rank finds the same), the
-        baseline."""
+    def _specialize(self, name: str, values: dict, ctx: RunContext, plane) -> Choice:
+        """The committed `name` compiled for these exact shapes. Where it cannot run them
+        (support is a pure function of shapes, so every rank finds the same) or failed to
+        compile on any rank (agreed), the baseline."""
         meta = site_meta(self.graph, self.site.region, values, ctx.device)
         choices = self._choices(meta, ctx)
         chosen = next((c for c in choices if c.name == name), None)
         if chosen is None:
-            log.info("infini_dist: %s cannot run %s; its bucket falls back to the baseline",
-                     name, {n: tuple(m.shape) for n, m in meta.items() if n in values})
+            log.info("infini_dist: %s cannot run %s; the baseline runs them", name,
+                     {n: tuple(m.shape) for n, m in meta.items() if n in values})
             chosen = choices[0]
         try:
             chosen.precompile(meta, ctx)
-        except Exception as error:  # it compiled at the bucket bound: a bug, never a silent swap
-            raise TuningError(f"infini_dist: {name}, committed for this bucket, failed to compile "
-                              f"for {[tuple(v.shape) for v in values.values()]}: {error}") \
-                from error
+            error = None
+        except Exception as exc:  # noqa: BLE001 - it compiled at the bucket bound: agreed below
+            error = f"{type(exc).__name__}: {exc}"
+        if not self._agree_failures([chosen], {chosen.name: error}, plane, "precompile (count)"):
+            return self._baseline(ctx)
         return chosen
 
     # ---- deciding ----------------------------------------------------------------------------
@@ -167,17 +171,21 @@ class SiteRunner:
                                 max_depth=s.max_fusion_depth, recursive=s.enable_recursive_fusion,
                                 enable_fusion=s.enable_custom_op_fusion)
 
-    def _decide(self, values: dict, group, ctx: RunContext) -> Choice:
+    def _agree(self, values: dict, group, ctx: RunContext, bound) -> ControlPlane | None:
+        """The site's control plane (None on one rank), once every rank has the same inputs."""
+        if not (dist.is_initialized() and ctx.world_size > 1):
+            return None
+        plane = control_plane(group, self.settings.tuning_timeout_s)
+        signature = {"subgraph": self.sub.signature(), "bucket": bound,
+                     "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
+                                else (n, repr(v)) for n, v in values.items()]}
+        plane.agree(signature, "signature", "input shapes and dtypes")
+        return plane
+
+    def _decide(self, values: dict, ctx: RunContext, plane: ControlPlane | None) -> Choice:
         baseline_only = any(isinstance(v, torch.Tensor) and
                             (not v.dtype.is_floating_point or v.numel() == 0)
                             for v in values.values())
-        distributed = dist.is_initialized() and ctx.world_size > 1
-        plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
-        signature = {"subgraph": self.sub.signature(),
-                     "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
-                                else (n, repr(v)) for n, v in values.items()]}
-        if plane is not None:
-            plane.agree(signature, "signature", "input shapes and dtypes")
         choice = self._tune(values, ctx, plane, baseline_only)
         # The committed choice's first call (collective setup after a cache hit: symmetric
         # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank,

@@ -142,6 +142,27 @@ def test_counts_in_one_bucket_share_one_tuning_and_fall_back_agreed():
         assert t0 == t1 and torch.equal(a, b)  # bitwise identical across ranks
 
 
+def mismatched_counts(rank, world):
+    from infini_dist.ops import all_reduce_add_rms_norm
+    from infini_dist.scheduler.control import RankMismatchError
+    _run_op(rank, world, 8)  # bucket 8 is decided on both ranks
+    messages = []
+    for rows in (5 + rank, 8):  # 5 and 6 share bucket 8: still agreed before anything runs
+        try:
+            x, residual, weight = (t.float() for t in _inputs(rank, rows))
+            all_reduce_add_rms_norm(x, residual, weight)
+            messages.append("no error")
+        except RankMismatchError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_counts_that_differ_across_ranks_in_one_bucket_give_a_clear_error():
+    for first, after in run_ranks(mismatched_counts, 2, env=FAST, timeout=240):
+        assert "disagree" in first and "(5, 16)" in first and "(6, 16)" in first, first
+        assert after == "no error"  # the group is still usable
+
+
 # ---- warm-up, then serving that never tunes ------------------------------------------------------
 
 def warm_rank(rank, world, counts):
