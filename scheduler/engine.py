@@ -131,8 +131,11 @@ class SiteRunner:
         """The committed `name` compiled for these exact shapes. Where it cannot run them
         (support is a pure function of shapes, so every rank finds the same) or failed to
         compile on any rank (agreed), the baseline."""
-        meta = site_meta(self.graph, self.site.region, values, ctx.device)
-        choices = self._choices(meta, ctx)
+        try:
+            meta = site_meta(self.graph, self.site.region, values, ctx.device)
+            choices = self._choices(meta, ctx)
+        except Exception:  # noqa: BLE001 - a user op without meta support: one real pass
+            choices, meta, _ = self.candidates(values, ctx)  # (the same on every rank)
         chosen = next((c for c in choices if c.name == name), None)
         if chosen is None:
             log.info("infini_dist: %s cannot run %s; the baseline runs them", name,
