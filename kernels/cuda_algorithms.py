@@ -1,7 +1,7 @@
 """Registers the GPU algorithms for all_reduce sites; the engine imports this on first CUDA use.
 
 Each backend is optional: one whose module fails to import (no ninetoothed, an old Triton) is left
-out with a warning, and the engine still has the unfused NCCL baseline and the other backends.
+out with a warning, and the engine still has the native NCCL path and the other backends.
 """
 
 import importlib

@@ -96,7 +96,8 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
     """The launch plan for `span`, or None where our kernels cannot run it. Pure: every rank
     answers the same for the same span."""
     graph = span.graph
-    if len(span.anchors) != 1 or ctx.device.type != "cuda" or ctx.world_size < 2:
+    if (len(span.anchors) != 1 or ctx.device.type != "cuda" or ctx.world_size < 2
+            or not ctx.single_host):  # peer memory needs every pair of ranks on one host
         return None
     anchor = graph.nodes[span.anchors[0]]
     if anchor.op_type != "all_reduce" or anchor.attr("op", "sum") != "sum":

@@ -7,14 +7,18 @@ Per pattern and token count, every implementation is timed under CUDA-graph repl
 in this one run, max over ranks (a collective is as slow as its slowest rank):
   nccl_ar           NCCL all_reduce alone, in place (the floor; its values grow, which NCCL
                     does not care about)
-  nccl+eager        NCCL all_reduce of a copy + the epilogue in eager torch
+  native            the user's own eager path: NCCL all_reduce of a copy + the epilogue in
+                    eager torch (what the engine must never be slower than)
+  native_inductor   the engine's native choice for a compiled site: NCCL all_reduce + the
+                    epilogue compiled by Inductor (GPU; one compile per case)
   compile           torch.compile of funcol.all_reduce + the epilogue
   symm_one_shot     torch.ops.symm_mem.one_shot_all_reduce_copy + eager epilogue
   symm_two_shot     copy into a symmetric tensor + two_shot_all_reduce_ + eager epilogue
-  cand:<choice>     every choice the engine generates for the site (unfused baseline included)
+  cand:<choice>     every choice the engine generates for the site (cand:native included)
   engine            executor_for(graph).run(...): the engine's committed choice
-Writes a table on stdout, results.json and latency.png under --out. With --cpu-smoke it runs on
-gloo CPU ranks (no graphs, no symmetric memory) to check the script itself.
+Writes a table on stdout, results.json and latency.png under --out, and lists every case where
+the engine row is above the native row by more than --noise. With --cpu-smoke it runs on gloo
+CPU ranks (no graphs, no symmetric memory) to check the script itself.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from infini_dist.scheduler.choices import RunContext
+from infini_dist.scheduler.choices import RunContext, native_choice
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
 from infini_dist.launch import shutdown
@@ -140,11 +144,11 @@ def peers(pattern, inputs, group, cuda, compile_peer):
     floor = x.clone()
     impls["nccl_ar"] = (lambda: dist.all_reduce(floor, group=group), lambda: floor.copy_(x))
 
-    def nccl_eager():
+    def native():
         y = x.clone()
         dist.all_reduce(y, group=group)
         return eager_epilogue(pattern, y, inputs)
-    impls["nccl+eager"] = (nccl_eager, lambda: None)
+    impls["native"] = (native, lambda: None)
     if not cuda:
         return impls
     group_name = (group or dist.group.WORLD).group_name
@@ -174,20 +178,42 @@ def peers(pattern, inputs, group, cuda, compile_peer):
     return impls
 
 
-def engine_candidates(graph, inputs, group, device):
-    """The engine's choices for the site of `graph`, precompiled, by name."""
+def engine_candidates(graph, inputs, group, device, native_inductor=False):
+    """The engine's choices for the site of `graph`, precompiled, by name (with the native
+    choice of a compiled site as `native_inductor`)."""
     executor = executor_for(graph)
     ctx = RunContext(group, dist.get_world_size(group), dist.get_rank(group), device)
-    choices, meta, _ = executor.site_runners()[0].candidates(dict(inputs), ctx)
+    runner = executor.site_runners()[0]
+    choices, meta, _ = runner.candidates(dict(inputs), ctx)
+    named = [(f"cand:{c.name}", c) for c in choices]
+    if native_inductor:
+        named.append(("native_inductor", native_choice(graph, runner.site, compiled=True)))
     out = {}
-    for choice in choices:
+    for name, choice in named:
         try:
             choice.precompile(meta, ctx)
-            out[f"cand:{choice.name}"] = (lambda c=choice: c.run(inputs), lambda: None)
+            out[name] = (lambda c=choice: c.run(inputs), lambda: None)
         except Exception as error:  # noqa: BLE001 - report and go on; the engine drops it too
             if dist.get_rank() == 0:
                 print(f"  candidate {choice.name} failed to compile: {error}", flush=True)
     return executor, out
+
+
+def above_native(rows, noise: float) -> list[dict]:
+    """Every (pattern, tokens, mode) where the engine row is slower than the native row by more
+    than the fraction `noise`: the engine can always commit native, so each is a finding."""
+    found = []
+    by_case = {(r["pattern"], r["tokens"], r["impl"]): r for r in rows}
+    for (pattern, tokens, impl), row in by_case.items():
+        native = by_case.get((pattern, tokens, "native"))
+        if impl != "engine" or native is None:
+            continue
+        for mode in ("graph", "eager"):
+            mine, theirs = row.get(f"{mode}_us"), native.get(f"{mode}_us")
+            if mine is not None and theirs is not None and mine > theirs * (1 + noise):
+                found.append({"pattern": pattern, "tokens": tokens, "mode": mode,
+                              "engine_us": mine, "native_us": theirs})
+    return found
 
 
 def run_case(args, pattern, tokens, device, group, timer):
@@ -195,13 +221,14 @@ def run_case(args, pattern, tokens, device, group, timer):
     inputs = make_inputs(pattern, tokens, args.hidden, dtype, device, dist.get_rank())
     graph = pattern_graph(pattern)
     impls = peers(pattern, inputs, group, device.type == "cuda", args.compile_peer)
-    executor, candidates = engine_candidates(graph, inputs, group, device)
+    executor, candidates = engine_candidates(graph, inputs, group, device,
+                                             device.type == "cuda" and args.native_inductor)
     # The engine decides on its first (eager) call, in lockstep on all ranks.
     reference = executor.run(inputs, group)
     record = getattr(executor.site_runners()[0], "last_tuning", None) or {}
     impls.update(candidates)
     impls["engine"] = (lambda: executor.run(inputs, group), lambda: None)
-    expected = impls["nccl+eager"][0]()
+    expected = impls["native"][0]()
     expected = expected[0] if isinstance(expected, tuple) else expected
     error = float((reference["out"].float() - expected.float()).abs().max())
     rows = []
@@ -217,7 +244,7 @@ def run_case(args, pattern, tokens, device, group, timer):
                 row[f"{mode}_error"] = f"{type(err).__name__}: {err}"[:300]
                 torch.cuda.synchronize() if device.type == "cuda" else None
         rows.append(row)
-    return rows, {"committed": record.get("choice"), "engine_vs_nccl_max_abs": error,
+    return rows, {"committed": record.get("choice"), "engine_vs_native_max_abs": error,
                   "tuning_times_us": {k: v * 1e6 for k, v in record.get("times_s", {}).items()}}
 
 
@@ -252,7 +279,7 @@ def plot(rows, patterns, path):
             points = [(r["tokens"], r["graph_us"]) for r in rows if r["pattern"] == pattern
                       and r["impl"] == impl and r.get("graph_us") is not None]
             if points:
-                style = "-" if impl in ("engine", "nccl_ar", "nccl+eager") else "--"
+                style = "-" if impl in ("engine", "nccl_ar", "native") else "--"
                 ax.plot(*zip(*points), style, marker="o", label=impl, linewidth=1,
                         color=plt.cm.tab20(i % 20))
         ax.set_xscale("log")
@@ -277,6 +304,9 @@ def main(argv=None):
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--no-compile-peer", dest="compile_peer", action="store_false")
+    parser.add_argument("--no-native-inductor", dest="native_inductor", action="store_false")
+    parser.add_argument("--noise", type=float, default=0.05,
+                        help="how far above native the engine row may be before it is listed")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo CPU ranks, float32")
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -297,15 +327,20 @@ def main(argv=None):
             rows += case_rows
             cases[f"{pattern}/{t}"] = info
             if dist.get_rank() == 0:
-                print(f"{pattern} tokens={t}: committed {info['committed']}, |engine - nccl| "
-                      f"max {info['engine_vs_nccl_max_abs']:.3g}", flush=True)
+                print(f"{pattern} tokens={t}: committed {info['committed']}, |engine - native| "
+                      f"max {info['engine_vs_native_max_abs']:.3g}", flush=True)
     if dist.get_rank() == 0:
         for mode in ("graph", "eager"):
             print_table(rows, patterns, tokens, mode)
+        slower = above_native(rows, args.noise)
+        print(f"\nengine above native by more than {args.noise:.0%}: "
+              + (", ".join(f"{s['pattern']}/{s['tokens']} {s['mode']} {s['engine_us']:.1f} vs "
+                           f"{s['native_us']:.1f} us" for s in slower) or "none"))
         os.makedirs(args.out, exist_ok=True)
         meta = {"world_size": dist.get_world_size(), "hidden": args.hidden, "dtype": args.dtype,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "torch": torch.__version__, "cases": cases}
+                "torch": torch.__version__, "cases": cases, "noise": args.noise,
+                "engine_above_native": slower}
         try:
             import triton
             meta["triton"] = triton.__version__

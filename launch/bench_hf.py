@@ -21,8 +21,12 @@ Variants (names shared with `bench --model`'s report):
   infini_dist   infini_dist.compile.compile_model(model, mode=--mode)       (with the pass)
   eager         the TP model uncompiled (DTensor ops)
 --mode is reduce-overhead on GPU (cudagraph trees: the graphs are torch's, not ours) and default
-on CPU. Each is timed over --iters calls after its first call (compile, tuning) and one more
-(the cudagraph recording): median per rank, max over ranks. The error is the relative L2 of the
+on CPU. Each is timed over --iters calls after its first call (compile, tuning) and 3 more
+(the cudagraph recording, then replays), each call between two CUDA events with no host sync
+in the loop: median per rank, max over ranks. Every compiled row says whether its CUDA graphs
+replayed ("cudagraphs", from torch's cudagraph-skip counter and reasons, and whether the last
+timed call ran a recorded graph); a reduce-overhead row on GPU without replays gets a loud
+warning, since its time then is not a graph replay's. The error is the relative L2 of the
 logits against eager's, max over ranks. A compile or run failure becomes a table entry.
 
 Writes a table per family on rank 0, results.json and latency_<family>.png under --out. Exit
@@ -34,6 +38,7 @@ prefill) is reported, not enforced.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -47,6 +52,7 @@ import torch.distributed as dist
 
 from infini_dist.launch import shutdown
 from infini_dist.launch.bench_model import Bench, run_meta, run_shape, setup
+from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.model_report import VARIANTS, plot, print_details, summary
 from infini_dist.launch.tp_decoder import Shape
 
@@ -109,8 +115,9 @@ def load_tp_model(family: str, args, device, dtype, control):
 
 # ---- shapes ---------------------------------------------------------------------------------------
 
-def shape_calls(model, compiled: dict, shape: Shape, args, device) -> dict:
-    """name -> call returning the logits; every rank builds the same token ids."""
+def shape_calls(model, compiled: dict, watches: dict, shape: Shape, args, device) -> dict:
+    """name -> call returning the logits; every rank builds the same token ids. Each compiled
+    variant's calls go through its CudagraphWatch in `watches`."""
     from transformers import StaticCache
     gen = torch.Generator(device=device).manual_seed(11 + shape.batch * 7 + shape.tokens)
     vocab, counters = model.config.vocab_size, []
@@ -134,6 +141,8 @@ def shape_calls(model, compiled: dict, shape: Shape, args, device) -> dict:
     graphs = device.type == "cuda" and args.mode != "default"  # cudagraph trees
 
     def call(fn):
+        # The fill level is a static address (StaticCache marks it): reset in place, the
+        # recorded graph reads the new value at replay.
         if counters:
             torch._foreach_copy_(counters, starts)
         if graphs:  # each call is a new step: the last one's outputs may be overwritten
@@ -141,8 +150,22 @@ def shape_calls(model, compiled: dict, shape: Shape, args, device) -> dict:
         return fn(**kwargs).logits
 
     calls = {"eager": lambda: call(model)}
-    calls.update({v: (lambda f=f: call(f)) for v, f in compiled.items()})
+    calls.update({v: (lambda f=f, w=watches[v]: w.call(lambda: call(f), device))
+                  for v, f in compiled.items()})
     return calls
+
+
+def note_cudagraphs(row: dict, watch: CudagraphWatch, bench: Bench, args) -> None:
+    """Adds whether the variant's graphs replayed, on every rank's word, to its row; a compiled
+    variant that should run CUDA graphs and did not is a bench bug, said loudly."""
+    report = watch.report() if args.mode != "default" else {"cudagraphs": False}
+    report["cudagraphs"] = bench.worst(0.0 if report["cudagraphs"] else 1.0) == 0.0
+    row.update(report)
+    if bench.cuda and args.mode != "default" and not report["cudagraphs"] \
+            and dist.get_rank() == 0:
+        print(f"\n!!! WARNING: {row['shape']} {row['variant']}: mode={args.mode} but CUDA graphs "
+              f"did NOT replay (rank 0: {report.get('cudagraph_skip_reasons', ['other rank'])});"
+              f" its time is not a graph replay's\n", flush=True)
 
 
 def bench_family(bench: Bench, family: str, args, device, dtype, control) -> list[dict]:
@@ -160,8 +183,16 @@ def bench_family(bench: Bench, family: str, args, device, dtype, control) -> lis
         print(f"\n{family}: loaded with transformers TP in {load_s:.1f}s", flush=True)
     rows = []
     for shape in args.shapes:
-        for row in run_shape(bench, shape, shape_calls(model, compiled, shape, args, device)):
+        watches = {v: CudagraphWatch() for v in compiled}
+        with contextlib.ExitStack() as stack:
+            for watch in watches.values():
+                stack.enter_context(watch)
+            shape_rows = run_shape(bench, shape,
+                                   shape_calls(model, compiled, watches, shape, args, device))
+        for row in shape_rows:
             row["family"] = family
+            if row["variant"] in watches:
+                note_cudagraphs(row, watches[row["variant"]], bench, args)
             rows.append(row)
         if bench.cuda:
             torch.cuda.empty_cache()
@@ -247,6 +278,12 @@ def main(argv=None) -> int:
         rows += family_rows
         family_lines, family_verdict = summary(family_rows, args.shapes, args, args.cpu_smoke,
                                                TARGET_SPEEDUP, TARGET_MAX_BATCH)
+        if args.mode != "default":  # above the target and correctness lines
+            missed = [f"{r['shape']} {r['variant']}" for r in family_rows
+                      if r.get("cudagraphs") is False]
+            replayed = f"NO for {', '.join(missed)} (bench bug on GPU)" if missed \
+                else "every compiled row"
+            family_lines.insert(len(family_lines) - 2, f"cudagraphs replayed: {replayed}")
         lines += ["", f"== {family} =="] + family_lines
         for key, misses in family_verdict.items():
             verdict[key] += [f"{family} {m}" for m in misses]

@@ -67,15 +67,15 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("inf")
 
 
-def pick(times: dict[str, float], unfused: set[str], threshold: float) -> str:
-    """Argmin, ties broken by name. A fused choice must beat the best unfused one by `threshold`
-    (best_unfused / fused >= threshold) or the best unfused one is kept."""
-    ranked = sorted(times, key=lambda name: (times[name], name))
-    best = ranked[0]
-    unfused_ranked = [n for n in ranked if n in unfused]
-    if best in unfused or not unfused_ranked:
-        return best
-    best_unfused = unfused_ranked[0]
-    if times[best_unfused] >= times[best] * threshold:
-        return best
-    return best_unfused
+def pick(times: dict[str, float], native: str, native_like: set[str], threshold: float) -> str:
+    """The committed choice: `native` unless another choice beats it by `threshold`
+    (times[native] / times[other] >= threshold). A choice that fuses ops (not in `native_like`)
+    must also beat the fastest qualifying native-like one by `threshold`. Among what qualifies
+    the fastest wins; ties go to native, then to the smaller name."""
+    def beats(name: str, base: str) -> bool:
+        return times[base] >= times[name] * threshold
+
+    ranked = sorted(times, key=lambda name: (times[name], name != native, name))
+    plain = next(n for n in ranked if n == native or (n in native_like and beats(n, native)))
+    fused = [n for n in ranked if n != native and n not in native_like]
+    return next(n for n in ranked if n == plain or (n in fused and beats(n, plain)))

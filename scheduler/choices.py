@@ -1,9 +1,11 @@
 """Choices for a site, and their recursive generation.
 
 A *choice* computes a whole site region (prologue + anchors + epilogue) from the region's external
-inputs. It is a list of steps: single nodes run unfused through their torch reference, and at most
-one *fused span* that an `Algorithm` compiles. Every choice of a site yields the same values, so
-they can be timed against each other and checked against the unfused baseline.
+inputs. It is a list of steps: single nodes run as plain torch runs them (their native
+implementations), and at most one *fused span* that an `Algorithm` compiles. Every choice of a site
+yields the same values, so they can be timed against each other and checked against the fp32
+references. The `native` choice (no span: the user's own path) is the fallback and what every
+other choice must beat.
 
 Backends plug in by `register_algorithm(op_type, device_type, algorithm)`; the generator asks each
 algorithm which spans it supports and builds one choice per supported (prologue, epilogue) depth.
@@ -37,6 +39,9 @@ class RunContext:
     world_size: int
     rank: int
     device: torch.device
+    # Every rank of the group on one host (the control plane compares host ids). NVLink-only
+    # algorithms need it; default True where there is no group to ask.
+    single_host: bool = True
 
 
 def resolve_group(name: str | None, default=None):
@@ -127,7 +132,7 @@ def _load_backend(device_type: str) -> None:
     except ImportError as error:
         import logging
         logging.getLogger("infini_dist").warning(
-            "infini_dist: %s backend unavailable (%s); only unfused choices", device_type, error)
+            "infini_dist: %s backend unavailable (%s); only native choices", device_type, error)
 
 
 def algorithms_for(op_type: str, device_type: str) -> list[Algorithm]:
@@ -138,12 +143,13 @@ def algorithms_for(op_type: str, device_type: str) -> list[Algorithm]:
     return list(_ALGORITHMS.get((op_type, device_type), []))
 
 
-def run_nodes(graph: SubGraph, indices, env: dict, ctx: RunContext) -> None:
-    """Run nodes unfused through their references, in place on env."""
+def run_nodes(graph: SubGraph, indices, env: dict, ctx: RunContext, native: bool = False) -> None:
+    """Run nodes one by one through their references (or native implementations), in place on
+    env."""
     for index in indices:
         node = graph.nodes[index]
         values = op_registry.run_node(node.op_type, [env[n] for n in node.inputs],
-                                      node.attr_dict, ctx.group)
+                                      node.attr_dict, ctx.group, native)
         env.update(zip(node.outputs, values))
 
 
@@ -177,7 +183,7 @@ class Choice:
         self.name = name
         self.graph = graph
         self.site = site
-        self.steps = steps  # ("nodes", indices) or ("span", span)
+        self.steps = steps  # ("nodes", indices: run natively) or ("span", span)
         self.span = span
         self.algorithm = algorithm
         self._runner: Runner | None = None
@@ -192,7 +198,7 @@ class Choice:
         env = dict(inputs)
         for kind, payload in self.steps:
             if kind == "nodes":
-                run_nodes(self.graph, payload, env, self._ctx)
+                run_nodes(self.graph, payload, env, self._ctx, native=True)
             else:
                 env.update(self._runner(env))
         return {name: env[name] for name in self.outputs}
@@ -201,12 +207,17 @@ class Choice:
         return f"Choice({self.name})"
 
 
-UNFUSED = "unfused"
+NATIVE = "native"
 
 
-def baseline_choice(graph: SubGraph, site: Site) -> Choice:
-    """Every node of the site through its reference implementation: the correctness baseline."""
-    return Choice(UNFUSED, [("nodes", site.region)], graph, site)
+def native_choice(graph: SubGraph, site: Site, compiled: bool = False) -> Choice:
+    """The user's own path: the collective through torch.distributed, the other nodes as plain
+    torch ops in eager mode, or for a `compiled` site (one torch.compile put there) the epilogue
+    as Inductor compiles it."""
+    if compiled:
+        from infini_dist.scheduler.native_inductor import InductorNativeChoice
+        return InductorNativeChoice(graph, site)
+    return Choice(NATIVE, [("nodes", site.region)], graph, site)
 
 
 def _depths(limit: int, enabled: bool, recursive: bool) -> list[int]:
@@ -217,11 +228,11 @@ def _depths(limit: int, enabled: bool, recursive: bool) -> list[int]:
 
 def generate_choices(graph: SubGraph, site: Site, meta: dict[str, TensorMeta], ctx: RunContext,
                      *, fusion_types, max_depth: int, recursive: bool,
-                     enable_fusion: bool = True) -> list[Choice]:
-    """The unfused baseline first, then every supported fused choice, in a deterministic order."""
+                     enable_fusion: bool = True, compiled: bool = False) -> list[Choice]:
+    """The native choice first, then every supported fused choice, in a deterministic order."""
     fused = _fused_choices(graph, site, site, meta, ctx, [], "", set(fusion_types), max_depth,
                            recursive, enable_fusion)
-    return [baseline_choice(graph, site)] + fused
+    return [native_choice(graph, site, compiled)] + fused
 
 
 def _fused_choices(graph, root, site, meta, ctx, prefix, prefix_name, fusion_types, max_depth,

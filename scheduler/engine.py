@@ -3,13 +3,16 @@
 Per site and token bucket (scheduler/buckets.py: tuned at the bound, compiled per exact count),
 all ranks of the site's group, in lockstep over the control plane: agree on the signature ->
 agree on cache hit/miss -> agree on the choice list -> precompile in a thread pool and drop what
-failed anywhere -> per choice: trial run checked against the baseline, failures dropped
-everywhere, then timed -> medians combined by MAX -> argmin (ties by name, fused only past the
-speed-up threshold) -> rank 0's pick broadcast and checked -> commit to the cache.
+failed anywhere -> per choice: trial run checked against the fp32 reference, failures dropped
+everywhere, then timed -> medians combined by MAX -> pick (native unless a choice beats it by the
+speed-up threshold; ties by name) -> rank 0's pick broadcast and checked -> commit to the cache.
+The reference is never timed or committed; the fallback is `native`, the user's own path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -22,14 +25,15 @@ import torch.distributed as dist
 
 import infini_dist
 from infini_dist.config import Settings
-from infini_dist.scheduler import benchmark, buckets, report
+from infini_dist.scheduler import benchmark, buckets, data_plane, report
 from infini_dist.scheduler.cache import DECISIONS, versions
-from infini_dist.scheduler.choices import (UNFUSED, Choice, RunContext, TensorMeta,
-                                           baseline_choice, generate_choices, resolve_group,
+from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMeta,
+                                           generate_choices, native_choice, resolve_group,
                                            run_nodes)
-from infini_dist.scheduler.control import ControlPlane, RankMismatchError, control_plane
+from infini_dist.scheduler.control import ControlPlane, control_plane
+from infini_dist.scheduler.data_plane import DataPlaneError, describe, guarded
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
-from infini_dist.scheduler.ops import close_enough
+from infini_dist.scheduler.ops import close_enough, generation
 from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.shapes import site_meta
 
@@ -54,23 +58,25 @@ def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
 def _digest(values: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(values):
-        t = values[name].detach().contiguous().cpu()
+        t = values[name].detach().cpu().reshape(-1)  # 1-d: a 0-d tensor has no byte view
         h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
-def _is_unfused(choice: Choice) -> bool:
+def _native_like(choice: Choice) -> bool:
+    """Native, or an algorithm choice that fuses nothing (a collective alone + native ops)."""
     return choice.span is None or not choice.span.fuses_anything
 
 
 class SiteRunner:
     """One site of one graph: its decision per token bucket, compiled per exact signature."""
 
-    def __init__(self, graph: SubGraph, site: Site, settings: Settings):
+    def __init__(self, graph: SubGraph, site: Site, settings: Settings, compiled: bool = False):
         self.graph = graph
         self.site = site
         self.settings = settings
+        self.compiled = compiled  # the site sits in a torch.compile'd graph: Inductor is native
         self.sub = site_subgraph(graph, site)
         self.inputs = self.sub.input_names
         self.outputs = self.sub.output_names
@@ -91,64 +97,10 @@ class SiteRunner:
         choice = self._committed.get(local)
         if choice is None:
             with self._lock:
-                choice = self._committed.get(local) or self._commit(values, group, local)
+                choice = self._committed.get(local)
+                if choice is None:
+                    return self._decide(values, group, local)
         return choice.run(values)
-
-    def _commit(self, values: dict, group, local: tuple) -> Choice:
-        """The choice for an exact signature: its bucket's decision (tuned or loaded across the
-        group on the bucket's first count) compiled for these shapes. Every rank sees the same
-        counts in the same order (agreed), so each takes the same path."""
-        ctx = self._context(values, group)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            log.warning("infini_dist: no choice for %s at these shapes before CUDA-graph "
-                        "capture; running the unfused baseline (warm up eagerly first)",
-                        self.sub.signature()[:12])
-            return self._baseline(ctx)  # never tuned or compiled inside a capture, not committed
-        # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
-        choice = self._committed[local] = run_aside(lambda: self._commit_aside(values, group, ctx),
-                                                    ctx.device)
-        return choice
-
-    def _commit_aside(self, values: dict, group, ctx: RunContext) -> Choice:
-        tokens = buckets.tokens_of(values, self.settings)
-        bucket = (id(group),) + buckets.signature(values, tokens)
-        # Every new exact signature is agreed (one small exchange): ranks whose counts differ
-        # but share a bucket would otherwise each compile for their own and meet in a kernel.
-        plane = self._agree(values, group, ctx, tokens and tokens.bound)
-        name = self._decided.get(bucket)
-        if name is None:
-            tuned_values = buckets.at_bound(values, tokens) if tokens else values
-            choice = self._decide(tuned_values, ctx, plane)
-            self._decided[bucket] = choice.name
-            if buckets.same_layout(values, tuned_values):
-                return choice
-            name = choice.name
-        choice = self._specialize(name, values, ctx, plane)
-        choice.run(values)  # its first call (launch binding) here too, every rank alike
-        return choice
-
-    def _specialize(self, name: str, values: dict, ctx: RunContext, plane) -> Choice:
-        """The committed `name` compiled for these exact shapes. Where it cannot run them
-        (support is a pure function of shapes, so every rank finds the same) or failed to
-        compile on any rank (agreed), the baseline."""
-        try:
-            meta = site_meta(self.graph, self.site.region, values, ctx.device)
-            choices = self._choices(meta, ctx)
-        except Exception:  # noqa: BLE001 - a user op without meta support: one real pass
-            choices, meta, _ = self.candidates(values, ctx)  # (the same on every rank)
-        chosen = next((c for c in choices if c.name == name), None)
-        if chosen is None:
-            log.info("infini_dist: %s cannot run %s; the baseline runs them", name,
-                     {n: tuple(m.shape) for n, m in meta.items() if n in values})
-            chosen = choices[0]
-        try:
-            chosen.precompile(meta, ctx)
-            error = None
-        except Exception as exc:  # noqa: BLE001 - it compiled at the bucket bound: agreed below
-            error = f"{type(exc).__name__}: {exc}"
-        if not self._agree_failures([chosen], {chosen.name: error}, plane, "precompile (count)"):
-            return self._baseline(ctx)
-        return chosen
 
     # ---- deciding ----------------------------------------------------------------------------
     def _context(self, values: dict, group) -> RunContext:
@@ -159,8 +111,9 @@ class SiteRunner:
         return RunContext(group, 1, 0, device)
 
     def candidates(self, values: dict, ctx: RunContext) -> tuple[list[Choice], dict, dict]:
-        """(choices, meta, reference) for these inputs: one unfused pass gives the reference
-        outputs and every intermediate's shape and dtype, from which the choices are made."""
+        """(choices, meta, reference) for these inputs: one pass through the fp32 references
+        gives the expected outputs and every intermediate's shape and dtype, from which the
+        choices are made."""
         env = dict(values)
         run_nodes(self.graph, self.site.region, env, ctx)
         reference = {name: env[name] for name in self.outputs}
@@ -172,32 +125,85 @@ class SiteRunner:
         return generate_choices(self.graph, self.site, meta, ctx,
                                 fusion_types=s.custom_op_fusion_types,
                                 max_depth=s.max_fusion_depth, recursive=s.enable_recursive_fusion,
-                                enable_fusion=s.enable_custom_op_fusion)
+                                enable_fusion=s.enable_custom_op_fusion, compiled=self.compiled)
 
-    def _agree(self, values: dict, group, ctx: RunContext, bound) -> ControlPlane | None:
-        """The site's control plane (None on one rank), once every rank has the same inputs."""
-        if not (dist.is_initialized() and ctx.world_size > 1):
-            return None
-        plane = control_plane(group, self.settings.tuning_timeout_s)
-        signature = {"subgraph": self.sub.signature(), "bucket": bound,
+    def _decide(self, values: dict, group, local: tuple) -> dict:
+        """Commit a choice for these exact shapes: its token bucket's decision (tuned or loaded
+        across the group at the bucket's first count), compiled for them; this call's outputs.
+        Every rank sees the same counts in the same order (agreed), so each takes the same path."""
+        ctx = self._context(values, group)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            log.warning("infini_dist: no decision for %s before CUDA-graph capture; running it "
+                        "natively (warm up eagerly first)", self.sub.signature()[:12])
+            return self._native(ctx).run(values)  # never tuned inside a capture, not committed
+        distributed = dist.is_initialized() and ctx.world_size > 1
+        plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
+        if plane is not None:
+            ctx = dataclasses.replace(ctx, single_host=plane.single_host)
+        # One tuning at a time per plane, this call's run included: threads tuning different
+        # sites would interleave their exchanges and collectives. Ranks that order the threads
+        # differently fail the signature check on every rank instead.
+        with plane.lock if plane is not None else contextlib.nullcontext():
+            # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
+            choice = run_aside(lambda: self._decide_aside(values, ctx, plane), ctx.device)
+            self._committed[local] = choice
+            return choice.run(values)
+
+    def _decide_aside(self, values: dict, ctx: RunContext, plane: ControlPlane | None) -> Choice:
+        tokens = buckets.tokens_of(values, self.settings)
+        bucket = (id(ctx.group),) + buckets.signature(values, tokens)
+        # Every new exact signature is agreed, inside a decided bucket too: ranks whose counts
+        # differ but share a bucket would otherwise each compile for their own.
+        signature = {"subgraph": self.sub.signature(), "bucket": tokens and tokens.bound,
                      "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                                 else (n, repr(v)) for n, v in values.items()]}
-        plane.agree(signature, "signature", "input shapes and dtypes")
-        return plane
-
-    def _decide(self, values: dict, ctx: RunContext, plane: ControlPlane | None) -> Choice:
-        baseline_only = any(isinstance(v, torch.Tensor) and
-                            (not v.dtype.is_floating_point or v.numel() == 0)
-                            for v in values.values())
-        choice = self._tune(values, ctx, plane, baseline_only)
-        # The committed choice's first call (collective setup after a cache hit: symmetric
-        # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank,
-        # at the bucket bound: buffers are sized for every count of the bucket.
-        choice.run(values)
+        if plane is not None:
+            plane.agree(signature, "signature", "input shapes and dtypes")
+        name = self._decided.get(bucket)
+        if name is None:
+            tuned = buckets.at_bound(values, tokens) if tokens else values
+            baseline_only = any(isinstance(v, torch.Tensor) and
+                                (not v.dtype.is_floating_point or v.numel() == 0)
+                                for v in tuned.values())
+            choice = self._tune(tuned, ctx, plane, baseline_only)
+            # The committed choice's first call (collective setup after a cache hit: symmetric
+            # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank,
+            # at the bucket bound: buffers are sized for every count of the bucket.
+            choice.run(tuned)
+            self._decided[bucket] = choice.name
+            if buckets.same_layout(values, tuned):
+                return choice
+            name = choice.name
+        choice = self._specialize(name, values, ctx, plane)
+        choice.run(values)  # its first call (launch binding) here too, every rank alike
         return choice
 
-    def _baseline(self, ctx):
-        choice = baseline_choice(self.graph, self.site)
+    def _specialize(self, name: str, values: dict, ctx: RunContext, plane) -> Choice:
+        """The committed `name` compiled for these exact shapes. Where it cannot run them
+        (support is a pure function of shapes, so every rank finds the same) or failed to
+        compile on any rank (agreed), native."""
+        try:
+            meta = site_meta(self.graph, self.site.region, values, ctx.device)
+            choices = self._choices(meta, ctx)
+        except Exception:  # noqa: BLE001 - a user op without meta support: one real pass
+            choices, meta, _ = self.candidates(values, ctx)  # (the same on every rank)
+        chosen = next((c for c in choices if c.name == name), None)
+        if chosen is None:
+            log.info("infini_dist: %s cannot run %s; native runs them", name,
+                     {n: tuple(m.shape) for n, m in meta.items() if n in values})
+            return self._native(ctx)
+        try:
+            chosen.precompile(meta, ctx)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - it compiled at the bucket bound: agreed below
+            error = f"{type(exc).__name__}: {exc}"
+        if not self._agree_failures([chosen], {chosen.name: error}, plane, "precompile (count)"):
+            return self._native(ctx)
+        return chosen
+
+    def _native(self, ctx):
+        # Eager torch even for a compiled site: nothing to compile here (maybe under capture).
+        choice = native_choice(self.graph, self.site)
         choice.precompile({}, ctx)
         return choice
 
@@ -205,13 +211,21 @@ class SiteRunner:
         tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
                                   group_size=ctx.world_size, device=report.device_name(ctx.device),
-                                  settings=self.settings.decision_fields(), **versions())
+                                  settings=self.settings.decision_fields(),
+                                  native=self._native_path(), **versions())
+
+    def _about(self, values, ctx) -> dict:
+        tokens = buckets.tokens_of(values, self.settings)
+        return report.describe(self.sub, values, tokens and tokens.bound, ctx)
+
+    def _native_path(self) -> str:
+        return "inductor" if self.compiled else "eager"
 
     def _tune(self, values, ctx, plane: ControlPlane | None, baseline_only: bool) -> Choice:
         s = self.settings
         if baseline_only:
-            log.debug("infini_dist: int or empty input for %s: unfused baseline", self.sub)
-            return self._baseline(ctx)
+            log.debug("infini_dist: int or empty input for %s: native", self.sub)
+            return self._native(ctx)
         key = self._key(values, ctx)
         record = DECISIONS.get_memory(key)
         rank0 = plane is None or plane.rank == 0
@@ -226,7 +240,8 @@ class SiteRunner:
                               f"config.tune_at_request_time is False; warm this shape up first "
                               f"(infini_dist.warmup or `infini-dist tune`)")
 
-        choices, meta, reference = self.candidates(values, ctx)
+        choices, meta, reference = self._agreed(plane, "reference run",
+                                                lambda: self.candidates(values, ctx))
         names = [c.name for c in choices]
         if plane is not None:
             plane.agree(names, "choice list", "the set of choices")
@@ -242,9 +257,28 @@ class SiteRunner:
                         record["choice"])
         return self._benchmark(choices, values, reference, meta, ctx, plane, key)
 
-    def _about(self, values, ctx) -> dict:
-        tokens = buckets.tokens_of(values, self.settings)
-        return report.describe(self.sub, values, tokens and tokens.bound, ctx)
+    def _data_timeout(self) -> float:
+        # Half the control timeout: a rank stuck in a collective still reaches the next
+        # control exchange before its peers there give up on it.
+        return self.settings.tuning_timeout_s / 2
+
+    def _agreed(self, plane, step: str, fn):
+        """fn() on every rank; a failure on any rank fails every rank. The failing rank
+        re-raises its own error (a TypeError where torch raises one), its peers a TuningError."""
+        own = None
+        try:
+            with data_plane.bounded(self._data_timeout(), step):
+                result = fn()
+        except Exception as error:  # noqa: BLE001 - agreed on below
+            own = error
+        errors = plane.all_gather(describe(own) if own else None, step) if plane else [None]
+        if own is not None:
+            raise own
+        failed = [(plane.ranks[r], e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise TuningError(f"infini_dist: tuning failed at step {step!r} on rank "
+                              f"{failed[0][0]}: {failed[0][1]}")
+        return result
 
     def _drop_failed(self, choices, meta, ctx, plane, step) -> list[Choice]:
         def precompile(choice):
@@ -252,7 +286,7 @@ class SiteRunner:
                 choice.precompile(meta, ctx)
                 return None
             except Exception as error:  # any failure just removes the choice
-                return f"{type(error).__name__}: {error}"
+                return describe(error)
         threads = min(self.settings.max_autotune_threads, max(1, len(choices)))
         if os.environ.get("TRITON_INTERPRET") == "1":
             threads = 1  # the interpreter patches triton.language while a kernel runs
@@ -274,11 +308,18 @@ class SiteRunner:
         failed = {}
         for rank, errs in enumerate(gathered):
             for name, err in errs.items():
-                if err is not None:
-                    failed.setdefault(name, f"rank {rank}: {err}")
+                if err is None:
+                    continue
+                if DataPlaneError.__name__ in err:  # whichever rank reported it
+                    raise TuningError(f"infini_dist: tuning stopped at step {step!r}: the "
+                                      f"ranks' collectives went out of step (rank {rank}: "
+                                      f"{err}); the group's data plane cannot be trusted until "
+                                      f"it is rebuilt")
+                failed.setdefault(name, f"rank {rank}: {err}")
         for name, err in failed.items():
-            if name == UNFUSED:
-                raise TuningError(f"infini_dist: the unfused baseline failed ({err})")
+            if name == NATIVE:
+                raise TuningError(f"infini_dist: the native path failed at step {step!r} "
+                                  f"({err})")
             (log.warning if self.settings.debug_mode else log.info)(
                 "infini_dist: dropping choice %s at %s: %s", name, step, err)
         return [c for c in choices if c.name not in failed]
@@ -306,11 +347,14 @@ class SiteRunner:
             else:
                 return medians
         medians = {}
-        for choice in choices:
-            if plane is not None:
-                plane.barrier(f"time {choice.name}")
-            medians[choice.name] = benchmark.median(benchmark.time_reps(
-                lambda: choice.run(values), ctx.device, s.benchmark_warmup, s.benchmark_reps))
+        for choice in choices:  # the exchange before each one lines the ranks up
+            step = f"time {choice.name}"
+            call, state = guarded(choice.run, values)
+            with data_plane.bounded(self._data_timeout(), step):
+                times = benchmark.time_reps(call, ctx.device, s.benchmark_warmup,
+                                            s.benchmark_reps)
+            if self._agree_failures([choice], {choice.name: state["error"]}, plane, step):
+                medians[choice.name] = benchmark.median(times)
         return medians
 
     def _benchmark(self, choices, values, reference, meta, ctx, plane, key) -> Choice:
@@ -325,19 +369,20 @@ class SiteRunner:
                 plane.barrier(f"start {choice.name}")
             error, digest = None, None
             try:
-                out = choice.run(values)
+                with data_plane.bounded(self._data_timeout(), f"trial {choice.name}"):
+                    out = choice.run(values)
                 wrong = [n for n in reference if not close_enough(out[n], reference[n])]
                 if wrong:
-                    error = f"output {wrong} differs from the unfused baseline"
+                    error = f"output {wrong} differs from the fp32 reference"
                 digest = _digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
-                error = f"{type(exc).__name__}: {exc}"
+                error = describe(exc)
             if not self._agree_failures([choice], {choice.name: error}, plane,
                                         f"trial {choice.name}"):
                 continue
-            # Where the baseline gives every rank the same bits, a fused choice must too.
+            # Where native gives every rank the same bits, a fused choice must too.
             digests = plane.all_gather(digest, f"digest {choice.name}") if plane else [digest]
-            if choice.name == UNFUSED:
+            if choice.name == NATIVE:
                 replicated = len(set(digests)) == 1
             elif replicated and len(set(digests)) > 1:
                 log.warning("infini_dist: dropping %s: outputs differ across ranks", choice.name)
@@ -345,19 +390,18 @@ class SiteRunner:
             survivors.append(choice)
         medians = self._time(survivors, values, ctx, plane)
         if timing_hook is not None:
-            medians = timing_hook(dict(medians))
+            medians = self._agreed(plane, "vote", lambda: timing_hook(dict(medians)))
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]
         worst = {n: max(m[n] for m in all_medians) for n in medians}
-        unfused = {c.name for c in survivors if _is_unfused(c)}
-        mine = benchmark.pick(worst, unfused, s.fusion_speedup_threshold)
+        survivors = [c for c in survivors if c.name in medians]
+        native_like = {c.name for c in survivors if _native_like(c)}
+        mine = benchmark.pick(worst, NATIVE, native_like, s.fusion_speedup_threshold)
         if plane is not None:
-            decided = plane.broadcast(mine, "decision")
-            if decided != mine:
-                raise RankMismatchError(f"infini_dist: rank {plane.rank} picked {mine!r} but rank "
-                                        f"{plane.ranks[0]} picked {decided!r}")
-        record = dict(self._about(values, ctx), choice=mine, times_s=worst,
-                      candidates=[c.name for c in survivors], subgraph=self.sub.canonical(),
-                      precompile_s=precompile_s, tuning_s=time.perf_counter() - started)
+            plane.agree(mine, "decision", "the chosen choice")
+        record = dict(self._about(values, ctx), choice=mine, native=self._native_path(),
+                      times_s=worst, candidates=[c.name for c in survivors],
+                      subgraph=self.sub.canonical(), precompile_s=precompile_s,
+                      tuning_s=time.perf_counter() - started)
         DECISIONS.put_memory(key, record)
         if (plane is None or plane.rank == 0) and s.enable_disk_cache:
             DECISIONS.write_disk(s.cache_dir, key, record)
@@ -376,9 +420,10 @@ class SiteRunner:
 
 
 class GraphExecutor:
-    """Runs a SubGraph: loose nodes through their references, sites through their decisions."""
+    """Runs a SubGraph: loose nodes through their references, sites through their decisions.
+    `compiled`: the graph is a site torch.compile put in place (its native path is Inductor's)."""
 
-    def __init__(self, graph: SubGraph, settings: Settings):
+    def __init__(self, graph: SubGraph, settings: Settings, compiled: bool = False):
         self.graph = graph
         self.settings = settings
         types = settings.custom_op_fusion_types if settings.enable_custom_op_fusion else ()
@@ -391,7 +436,7 @@ class GraphExecutor:
                 self.plan.append(("node", index))
             elif index == site.anchors[0]:
                 # Prologue nodes are private to their anchor, so running them here is safe.
-                self.plan.append(("site", SiteRunner(graph, site, settings)))
+                self.plan.append(("site", SiteRunner(graph, site, settings, compiled)))
 
     def run(self, inputs: dict, group=None) -> dict:
         missing = [n for n in self.graph.input_names if n not in inputs]
@@ -415,10 +460,11 @@ class GraphExecutor:
 _EXECUTORS: dict[tuple, GraphExecutor] = {}
 
 
-def executor_for(graph: SubGraph, settings: Settings | None = None) -> GraphExecutor:
+def executor_for(graph: SubGraph, settings: Settings | None = None,
+                 compiled: bool = False) -> GraphExecutor:
     settings = settings or infini_dist.config.snapshot()
-    key = (graph, settings)
+    key = (graph, settings, compiled, generation())  # a re-registered op: built afresh
     executor = _EXECUTORS.get(key)
     if executor is None:
-        executor = _EXECUTORS[key] = GraphExecutor(graph, settings)
+        executor = _EXECUTORS[key] = GraphExecutor(graph, settings, compiled)
     return executor

@@ -1,7 +1,10 @@
-"""The op registry: a torch reference for every op, and the rule table of what may fuse where.
+"""The op registry: per op a torch reference and a native implementation, and the rule table of
+what may fuse where.
 
 References compute in fp32 and round once to the input dtype, the same contract our fused kernels
-keep, so a fused choice can be checked against the unfused baseline.
+keep: they give the expected outputs every choice is checked against, and are never timed.
+Native implementations are the ops as the user's own torch code runs them, in the input dtype:
+the `native` choice every fused one has to beat.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from infini_dist.scheduler import data_plane
 
 # kind -> where such an op may fuse around an anchor
 FUSION_RULES: dict[str, frozenset[str]] = {
@@ -32,6 +36,7 @@ class OpSpec:
     num_inputs: int | None = None
     outputs_per_input: bool = False  # all_reduce: one output per (coalesced) input
     implementations: dict[str, Callable] = field(default_factory=dict, compare=False, hash=False)
+    native: Callable | None = field(default=None, hash=False)  # None: fn
 
     @property
     def is_anchor(self) -> bool:
@@ -39,18 +44,30 @@ class OpSpec:
 
 
 _REGISTRY: dict[str, OpSpec] = {}
+_BUILTINS: frozenset[str] = frozenset()  # set once the built-in ops below are registered
+_generation = 0
+
+
+def generation() -> int:
+    """Bumped whenever an op's definition changes: part of the key of everything built from
+    the registry (executors, routes), so nothing keeps running a replaced definition."""
+    return _generation
 
 
 def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: int = 1,
                 num_inputs: int | None = None,
                 implementations: dict[str, Callable] | None = None,
-                replace: bool = False) -> OpSpec:
-    """Register an op. `fn(*tensors, **attrs)` is its reference.
+                native: Callable | None = None, replace: bool = False) -> OpSpec:
+    """Register an op. `fn(*tensors, **attrs)` is its reference; `native` (same signature) is how
+    the user's own code computes it, if that differs from `fn`.
 
     Give `implementations` ({name: fn}) to make it a deferred-choice site: each implementation is
     a choice, and so is each implementation with its epilogue chain fused after it.
     `kind` is 'elementwise' or 'rowwise' to let the op fuse into collectives' chains.
+    Registering a user op's name again replaces it, implementations and all (a notebook cell
+    run twice, a new scheduler); a built-in op is replaced only with replace=True.
     """
+    global _generation
     if not isinstance(name, str) or not name:
         raise TypeError("op name must be a non-empty string")
     if not callable(fn):
@@ -60,15 +77,20 @@ def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: i
         for impl_name, impl in implementations.items():
             if not callable(impl):
                 raise TypeError(f"op {name!r}: implementation {impl_name!r} is not callable")
+    if native is not None and not callable(native):
+        raise TypeError(f"op {name!r}: native must be callable")
     if kind not in FUSION_RULES:
         raise ValueError(f"op {name!r}: kind must be one of {sorted(FUSION_RULES)}, got {kind!r}")
-    if name in _REGISTRY and not replace:
-        existing = _REGISTRY[name]
-        if existing.fn is fn and existing.implementations == (implementations or {}):
+    spec = OpSpec(name, fn, kind, num_outputs, num_inputs, False, dict(implementations or {}),
+                  native)
+    existing = _REGISTRY.get(name)
+    if existing is not None:
+        if existing == spec and existing.implementations == spec.implementations:
             return existing
-        raise ValueError(f"op {name!r} is already registered; pass replace=True to override")
-    spec = OpSpec(name, fn, kind, num_outputs, num_inputs, False, dict(implementations or {}))
+        if name in _BUILTINS and not replace:
+            raise ValueError(f"op {name!r} is a built-in op; pass replace=True to override it")
     _REGISTRY[name] = spec
+    _generation += 1
     return spec
 
 
@@ -89,23 +111,28 @@ def may_fuse(op_type: str, position: str) -> bool:
     return spec is not None and position in FUSION_RULES[spec.kind]
 
 
-def run_node(op_type: str, tensors: list, attrs: dict, group=None) -> tuple:
+def run_node(op_type: str, tensors: list, attrs: dict, group=None, native: bool = False) -> tuple:
+    """One node through its reference, or through its native implementation."""
     spec = get_op(op_type)
+    fn = spec.native or spec.fn if native else spec.fn
     if spec.kind == "collective":
-        result = spec.fn(*tensors, group=group, **attrs)
+        result = fn(*tensors, group=group, **attrs)
     else:
-        result = spec.fn(*tensors, **attrs)
+        result = fn(*tensors, **attrs)
     return result if isinstance(result, tuple) else (result,)
 
 
 # ---- references ---------------------------------------------------------------------------------
 
 def _fp32(fn):
+    """Float math in (at least) fp32, rounded once to the dtype torch would give; integer and
+    bool math as torch does it (relu stays int, `int * 2.5` is float, silu on ints raises)."""
     def wrapped(*tensors, **attrs):
-        out_dtype = tensors[0].dtype
+        out_dtype = torch.result_type(*tensors) if len(tensors) == 2 else tensors[0].dtype
         if not out_dtype.is_floating_point:
             return fn(*tensors, **attrs)
-        return fn(*(t.float() for t in tensors), **attrs).to(out_dtype)
+        compute = torch.promote_types(out_dtype, torch.float32)
+        return fn(*(t.to(compute) for t in tensors), **attrs).to(out_dtype)
     wrapped.__name__ = fn.__name__
     wrapped.__doc__ = fn.__doc__
     return wrapped
@@ -121,7 +148,7 @@ def all_reduce(*tensors, group=None, op: str = "sum", group_name: str | None = N
     outs = []
     for t in tensors:
         out = t.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
+        data_plane.all_reduce(out, group)
         outs.append(out)
     return tuple(outs)
 
@@ -154,27 +181,61 @@ def sigmoid(x):
     return torch.sigmoid(x)
 
 
-def _rms(x32, weight, eps):
-    inv = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return x32 * inv * weight.float()
+def _check_rms_input(x):
+    """torch's errors for integer and 0-d inputs, the same on every path."""
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype} (torch: "
+                        f'"rms_norm" not implemented for {x.dtype})')
+    if x.dim() == 0:
+        raise RuntimeError("rms_norm: Expected normalized_shape to be at least 1-dimensional, "
+                           "but the input is 0-d")
+
+
+def _rms(x, weight, eps):
+    """rms_norm in (at least) fp32."""
+    _check_rms_input(x)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(compute)
+    inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x * inv * weight.to(compute)
 
 
 def rms_norm(x, weight, eps: float = 1e-6):
-    return _rms(x.float(), weight, eps).to(x.dtype)
+    return _rms(x, weight, eps).to(x.dtype)
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-6):
     """(rms_norm(x + residual) * weight, x + residual); the sum is kept in fp32 for the norm."""
-    total = x.float() + residual.float()
-    return _rms(total, weight, eps).to(x.dtype), total.to(x.dtype)
+    dtype = torch.result_type(x, residual)
+    if not dtype.is_floating_point:
+        _rms(x + residual, weight, eps)  # raises torch's error
+    total = x.to(torch.promote_types(dtype, torch.float32)) + residual
+    return _rms(total, weight, eps).to(dtype), total.to(dtype)
 
 
 def swiglu(gate, up):
     return F.silu(gate) * up
 
 
+# ---- native implementations (the elementwise ones are the undecorated functions above) ---------
+
+def native_rms_norm(x, weight, eps: float = 1e-6):
+    """torch's own RMSNorm. Our IR keeps the input dtype, so a weight of another dtype is cast
+    first (torch would otherwise leave its fused kernel)."""
+    _check_rms_input(x)
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def native_add_rms_norm(x, residual, weight, eps: float = 1e-6):
+    """What a decoder layer writes: the residual sum in the input dtype, then torch's RMSNorm."""
+    total = x + residual
+    return native_rms_norm(total, weight, eps), total
+
+
 def _elementwise(name, fn, num_inputs):
-    register_op(name, _fp32(fn), kind="elementwise", num_inputs=num_inputs)
+    register_op(name, _fp32(fn), kind="elementwise", num_inputs=num_inputs, native=fn)
 
 
 _REGISTRY["all_reduce"] = OpSpec("all_reduce", all_reduce, "collective", outputs_per_input=True)
@@ -186,13 +247,15 @@ _elementwise("silu", silu, 1)
 _elementwise("gelu", gelu, 1)
 _elementwise("sigmoid", sigmoid, 1)
 _elementwise("swiglu", swiglu, 2)
-register_op("rms_norm", rms_norm, kind="rowwise", num_inputs=2)
-register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outputs=2)
+register_op("rms_norm", rms_norm, kind="rowwise", num_inputs=2, native=native_rms_norm)
+register_op("add_rms_norm", add_rms_norm, kind="rowwise", num_inputs=3, num_outputs=2,
+            native=native_add_rms_norm)
+_BUILTINS = frozenset(_REGISTRY)
 
-# How far a choice may sit from the unfused baseline. Both sides round: the baseline once per
-# op (and NCCL in bf16 once per reduction step), a fused kernel once at the end, so the check is
-# on the relative L2 error, plus a per-element bound against the tensor's scale that still
-# catches a wrong or unwritten row in a large tensor.
+# How far a choice may sit from the fp32 reference. All sides round: the reference once per op,
+# native torch at every intermediate too (and NCCL in bf16 once per reduction step), a fused
+# kernel once at the end, so the check is on the relative L2 error, plus a per-element bound
+# against the tensor's scale that still catches a wrong or unwritten row in a large tensor.
 TOLERANCE = {  # dtype: (relative L2, max element error / max |reference|)
     torch.float64: (1e-9, 1e-8), torch.float32: (1e-5, 1e-4),
     torch.float16: (5e-3, 2e-2), torch.bfloat16: (1e-2, 5e-2),
@@ -208,10 +271,15 @@ def close_enough(actual: torch.Tensor, expected: torch.Tensor) -> bool:
         return True
     l2_tol, max_tol = TOLERANCE.get(expected.dtype, (1e-2, 5e-2))
     a, e = actual.double(), expected.double()
+    # torch propagates NaN and inf: a choice must have them at the same places (NaN = NaN).
+    nan = torch.isnan(e)
+    if not torch.equal(torch.isnan(a), nan):
+        return False
     finite = torch.isfinite(e)
     if not torch.equal(torch.isfinite(a), finite):
         return False
-    if not torch.equal(a[~finite], e[~finite]):  # same infinities, NaN never matches
+    infinite = ~finite & ~nan
+    if not torch.equal(a[infinite], e[infinite]):  # the same infinities
         return False
     diff = (a[finite] - e[finite]).abs()
     scale = e[finite].abs()

@@ -8,8 +8,7 @@ it is registered for CPU tensors, where gloo is the collective.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-
+from infini_dist.scheduler import data_plane
 from infini_dist.scheduler.choices import Algorithm, register_algorithm, run_nodes
 
 
@@ -19,7 +18,7 @@ class TorchFusedAllReduce(Algorithm):
     def supports(self, span, meta, ctx):
         anchor_inputs = [n for a in span.anchors for n in span.graph.nodes[a].inputs]
         dtypes = {meta[n].dtype for n in anchor_inputs if n in meta}
-        # At depth zero with one anchor this is the baseline again: not a separate choice.
+        # At depth zero with one anchor this is native again: not a separate choice.
         return span.fuses_anything and len(dtypes) == 1
 
     def compile(self, span, meta, ctx):
@@ -32,7 +31,7 @@ class TorchFusedAllReduce(Algorithm):
             run_nodes(graph, span.prologue, local, ctx)
             sources = [local[n] for node in anchors for n in node.inputs]
             packed = torch.cat([s.reshape(-1) for s in sources])  # a fresh, contiguous buffer
-            dist.all_reduce(packed, group=ctx.group)
+            data_plane.all_reduce(packed, ctx.group)
             offset = 0
             for node in anchors:
                 for name_in, name_out in zip(node.inputs, node.outputs):

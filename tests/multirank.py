@@ -53,11 +53,13 @@ def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env, backend
 
 
 def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
-              timeout: float = 300.0, env: dict | None = None, backend: str = "gloo") -> list:
+              timeout: float = 300.0, env: dict | None = None, backend: str = "gloo",
+              partial: bool = False) -> list:
     """Returns each rank's result (rank order). Raises if a rank raised or did not finish.
 
     `fn(rank, world_size, *args)` must be a module-level function (it is pickled). With
-    backend="nccl", rank r runs on cuda:r."""
+    backend="nccl", rank r runs on cuda:r. With partial=True a rank that exits without a result
+    (a fault test kills it) gives None instead, once the others have reported."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,7 +83,10 @@ def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
                 # A rank that died without reporting (killed, crashed) will never report.
                 dead = [r for r, p in enumerate(procs) if r not in results and
                         p.exitcode is not None]
-                if dead and queue.empty():
+                if partial:
+                    if len(results) + len(dead) == world_size and queue.empty():
+                        break
+                elif dead and queue.empty():
                     time.sleep(1.0)
                     if queue.empty():
                         raise RuntimeError(f"ranks {dead} exited (codes "
@@ -98,4 +103,4 @@ def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
     if errors:
         raise RuntimeError("rank failures:\n" + "\n".join(f"[rank {r}] {v}"
                                                           for r, v in sorted(errors.items())))
-    return [pickle.loads(results[r][1]) for r in range(world_size)]
+    return [pickle.loads(results[r][1]) if r in results else None for r in range(world_size)]

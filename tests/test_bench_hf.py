@@ -47,8 +47,11 @@ def test_cpu_smoke_llama_tp(tmp_path):
     for (_, shape, variant), row in rows.items():
         assert "error" not in row, row
         assert row["median_us"] > 0 and math.isfinite(row["median_us"])
+        assert row["mode"] == "calls", row  # the bench's own capture is off under --hf
         if variant == "eager":
             continue
+        assert row["cudagraphs"] is False, row  # mode="default": none asked for, none skipped
+        assert "cudagraph_skips" not in row, row
         # fp32: only reordering separates the compiled TP model from eager DTensor
         assert math.isfinite(row["rel_l2_vs_eager"]) and row["rel_l2_vs_eager"] < 1e-4
         assert row["dynamo_graphs"] == 1
@@ -57,7 +60,7 @@ def test_cpu_smoke_llama_tp(tmp_path):
         assert row["sites"] == 3 and row["pass_graphs"] == 1, row
         assert len(row["decisions"]) == 3
         for d in row["decisions"]:
-            assert d["choice"] in d["times_us"] and "unfused" in d["times_us"]
+            assert d["choice"] in d["times_us"] and "native" in d["times_us"]
     assert data["verdict"]["check_failures"] == []
     # no model directory left behind under --out
     assert sorted(p.name for p in out.iterdir()) == ["results.json"]

@@ -53,7 +53,7 @@ def test_cpu_smoke_runs_the_whole_flow(tmp_path):
             assert sites == ["all_reduce+add_rms_norm (1 out)", "all_reduce+add_rms_norm (2 out)"]
             for d in row["decisions"]:
                 assert d["source"] == "tuned" and d["choice"] in d["times_us"]
-                assert "unfused" in d["times_us"] and len(d["times_us"]) >= 2
+                assert "native" in d["times_us"] and len(d["times_us"]) >= 2
     assert data["verdict"]["check_failures"] == []
 
     lines = [line for line in run.stdout.splitlines() if line.strip()]

@@ -37,8 +37,8 @@ def names(graph, types=ALL, depth=3, recursive=True, fusion=True, site_index=0):
 
 def test_every_prologue_and_epilogue_depth_is_a_choice():
     got = names(deep_graph())
-    # p in {0,1} x e in {0..3}, minus torch_fused's (0,0) which is the baseline itself
-    assert got[0] == "unfused"
+    # p in {0,1} x e in {0..3}, minus torch_fused's (0,0) which is native itself
+    assert got[0] == "native"
     assert sorted(got[1:]) == sorted(f"torch_fused[p{p},e{e}]" for p in (0, 1) for e in range(4)
                                      if (p, e) != (0, 0))
 
@@ -51,8 +51,8 @@ def test_max_fusion_depth_caps_the_chain(depth, expected):
 def test_fusion_types_and_switches():
     assert len(names(deep_graph(), types=("epilogue",))) == 1 + 3
     assert len(names(deep_graph(), types=("prologue",))) == 1 + 1
-    assert names(deep_graph(), recursive=False) == ["unfused", "torch_fused[p1,e3]"]
-    assert names(deep_graph(), fusion=False) == ["unfused"]
+    assert names(deep_graph(), recursive=False) == ["native", "torch_fused[p1,e3]"]
+    assert names(deep_graph(), fusion=False) == ["native"]
 
 
 def swiglu_graph():
@@ -63,11 +63,11 @@ def swiglu_graph():
 
 def test_cross_subgraph_coalesces_and_recurses_into_the_split():
     got = names(swiglu_graph())
-    assert got == ["unfused", "torch_fused[p0,e0]", "torch_fused[p0,e1]",
+    assert got == ["native", "torch_fused[p0,e0]", "torch_fused[p0,e1]",
                    "split0+torch_fused[p0,e1]"]
     separate = ("epilogue", "prologue")
-    assert names(swiglu_graph(), types=separate) == ["unfused"]  # first all_reduce: nothing
-    assert names(swiglu_graph(), types=separate, site_index=1) == ["unfused",
+    assert names(swiglu_graph(), types=separate) == ["native"]  # first all_reduce: nothing
+    assert names(swiglu_graph(), types=separate, site_index=1) == ["native",
                                                                    "torch_fused[p0,e1]"]
 
 
@@ -82,7 +82,7 @@ def test_custom_op_implementations_are_choices_with_fused_epilogues():
                       OpNode("relu", ("c",), ("d",)),
                       OpNode("scale", ("d",), ("e",), {"scale": 3.0})), ("a", "b"), ("e",))
     got = names(graph)
-    assert got == ["unfused"] + [f"impl:{i}[p0,e{e}]" for i in ("mm", "einsum") for e in range(3)]
+    assert got == ["native"] + [f"impl:{i}[p0,e{e}]" for i in ("mm", "einsum") for e in range(3)]
 
 
 def test_every_choice_computes_the_same_values():
@@ -111,12 +111,20 @@ def test_every_choice_computes_the_same_values():
         dist.all_reduce = original
 
 
-def test_pick_takes_the_fastest_and_needs_the_threshold_for_fusion():
+def test_pick_commits_native_unless_something_beats_it_by_the_threshold():
     from infini_dist.scheduler.benchmark import pick
-    times = {"unfused": 10.0, "algo_b[p0,e1]": 9.5, "algo_a[p0,e1]": 9.5, "algo[p0,e0]": 9.8}
-    unfused = {"unfused", "algo[p0,e0]"}
-    assert pick(times, unfused, 1.0) == "algo_a[p0,e1]"  # a tie goes to the smaller name
-    # 9.8 / 9.5 < 1.05: the fused choice does not beat the best unfused one by enough
-    assert pick(times, unfused, 1.05) == "algo[p0,e0]"
-    assert pick({"unfused": 3.0, "x[p0,e1]": 1.0}, {"unfused"}, 2.5) == "x[p0,e1]"
-    assert pick({"unfused": 3.0, "x[p0,e1]": 1.0}, {"unfused"}, 3.5) == "unfused"
+    times = {"native": 10.0, "algo_b[p0,e1]": 9.5, "algo_a[p0,e1]": 9.5, "algo[p0,e0]": 9.8}
+    native_like = {"native", "algo[p0,e0]"}
+    assert pick(times, "native", native_like, 1.0) == "algo_a[p0,e1]"  # a tie: smaller name
+    # 10 / 9.8 < 1.05: the depth-0 algorithm does not beat native by enough; 10 / 9.5 does
+    assert pick(times, "native", native_like, 1.05) == "algo_a[p0,e1]"
+    assert pick(times, "native", native_like, 1.06) == "native"
+    # a fused choice must also beat the fastest native-like choice that qualifies
+    times = {"native": 10.0, "algo[p0,e0]": 5.0, "fused[p0,e1]": 4.5}
+    assert pick(times, "native", {"native", "algo[p0,e0]"}, 1.0) == "fused[p0,e1]"
+    assert pick(times, "native", {"native", "algo[p0,e0]"}, 1.2) == "algo[p0,e0]"
+    assert pick({"native": 3.0, "x[p0,e1]": 1.0}, "native", {"native"}, 2.5) == "x[p0,e1]"
+    assert pick({"native": 3.0, "x[p0,e1]": 1.0}, "native", {"native"}, 3.5) == "native"
+    # native wins exact ties, whatever the names
+    assert pick({"native": 2.0, "a[p0,e1]": 2.0, "b[p0,e0]": 2.0}, "native",
+                {"native", "b[p0,e0]"}, 1.0) == "native"

@@ -361,13 +361,27 @@ def _passes(value):
     return _passes(list(value.passes)) if hasattr(value, "passes") else [value]
 
 
-def test_enable_chains_the_user_pass_and_disable_restores_it(monkeypatch):
+@pytest.fixture
+def user_pass():
+    """A user's post-grad pass in Inductor's config. Afterwards the config and enable()'s record
+    are put back exactly (no monkeypatch: its undo on Inductor's config, after an enable() that
+    was never disabled, left later tests without the pass they had set)."""
     from torch._inductor import config as inductor_config
+    saved, record = inductor_config.post_grad_custom_post_pass, dict(idc._installed)
     user = _UserPass()
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", user)
+    inductor_config.post_grad_custom_post_pass = user
+    yield user
+    idc.disable()
+    inductor_config.post_grad_custom_post_pass = saved
+    idc._installed.clear()
+    idc._installed.update(record)
+
+
+def test_enable_chains_the_user_pass_and_disable_restores_it(user_pass):
+    from torch._inductor import config as inductor_config
     idc.enable()
     installed = inductor_config.post_grad_custom_post_pass
-    assert _passes(installed) == [user, idc.passes.FUSION_PASS]
+    assert _passes(installed) == [user_pass, idc.passes.FUSION_PASS]
     idc.enable()  # idempotent
     assert inductor_config.post_grad_custom_post_pass is installed
     # Every element Inductor sees has a uuid: the FX graph cache stays on.
@@ -376,21 +390,37 @@ def test_enable_chains_the_user_pass_and_disable_restores_it(monkeypatch):
     options = idc.inductor_options()
     assert options["post_grad_custom_post_pass"] is installed  # already there: not doubled
     idc.disable()
-    assert inductor_config.post_grad_custom_post_pass is user
+    assert inductor_config.post_grad_custom_post_pass is user_pass
+    idc.disable()  # idempotent
+    assert inductor_config.post_grad_custom_post_pass is user_pass
     options = idc.inductor_options({"max_autotune": False})
-    assert _passes(options["post_grad_custom_post_pass"]) == [user, idc.passes.FUSION_PASS]
+    assert _passes(options["post_grad_custom_post_pass"]) == [user_pass, idc.passes.FUSION_PASS]
     assert options["max_autotune"] is False
 
 
-def test_chained_pass_runs_both_in_order(monkeypatch):
+def test_disable_takes_only_our_pass_out_of_what_was_set_since(user_pass):
     from torch._inductor import config as inductor_config
-    user = _UserPass()
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", user)
-    chain = idc._Chain(user, idc.passes.FUSION_PASS)
+    other = _UserPass()
+    for since in ([user_pass, idc.passes.FUSION_PASS, other],
+                  idc._Chain(user_pass, idc.passes.FUSION_PASS, other)):
+        idc.enable()
+        inductor_config.post_grad_custom_post_pass = since
+        idc.disable()
+        assert _passes(inductor_config.post_grad_custom_post_pass) == [user_pass, other]
+        inductor_config.post_grad_custom_post_pass = user_pass
+    # A record left by an enable() whose config was put back behind its back restores nothing.
+    idc.enable()
+    inductor_config.post_grad_custom_post_pass = user_pass
+    idc.disable()
+    assert inductor_config.post_grad_custom_post_pass is user_pass
+
+
+def test_chained_pass_runs_both_in_order(user_pass):
+    chain = idc._Chain(user_pass, idc.passes.FUSION_PASS)
     gm = export(lambda x: torch.relu(ar(x)), rand(4, 16))
     chain(gm.graph)
-    assert user.calls == 1 and FUSED in [n.target for n in gm.graph.nodes]
-    assert idc._Chain(user, lambda g: None).uuid() is None  # a bare callable: not cacheable
+    assert user_pass.calls == 1 and FUSED in [n.target for n in gm.graph.nodes]
+    assert idc._Chain(user_pass, lambda g: None).uuid() is None  # a bare callable: not cacheable
 
 
 def test_compile_model_rejects_unknown_backends():

@@ -69,7 +69,7 @@ def tp_block_rank(rank, world):
         sites = list(idc.last_sites)
         replaced = idc.stats["sites"]
         decided = [(d["op"], d["choice"], d["source"]) for d in idc.decisions()]
-        executed = sorted({text for text, _ in runtime_op._EXECUTORS})  # the sites that ran
+        executed = sorted({key[0] for key in runtime_op._EXECUTORS})  # the sites that ran
         torch._dynamo.reset()  # compile again: Inductor's FX graph cache has it
         hits = counters["inductor"]["fxgraph_cache_hit"]
         again = idc.compile_model(block)(x)

@@ -16,7 +16,7 @@ def test_demo_tunes_then_hits_the_cache(tmp_path):
     out = first.stdout
     for site in ("all_reduce_add_rms_norm", "all_reduce_relu_scale"):
         assert f"site {site}  (tuned)" in out
-    assert out.count("<- committed") == 2 and "unfused" in out
+    assert out.count("<- committed") == 2 and "native" in out
     assert "torch_fused[p0,e1]" in out
     assert "2 site(s) tuned" in out
     error = float(out.rsplit("max error vs unfused", 1)[1].split()[0])

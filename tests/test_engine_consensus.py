@@ -123,7 +123,7 @@ def test_a_failure_on_one_rank_drops_the_choice_everywhere():
     (c0, cands0), (c1, cands1) = run_ranks(failing_choices, 2, timeout=180)
     assert c0 == c1 and cands0 == cands1
     assert not any(name.startswith("flaky") for name in cands0), cands0
-    assert "unfused" in cands0 and any(n.startswith("torch_fused") for n in cands0)
+    assert "native" in cands0 and any(n.startswith("torch_fused") for n in cands0)
 
 
 class _RacyAlgorithm:

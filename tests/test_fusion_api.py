@@ -50,10 +50,10 @@ def setup_ops_and_fast_tuning():
 
 @pytest.fixture
 def prefer_fused(monkeypatch):
-    """Make every fused or user-implementation choice beat the unfused baseline, so the choice
+    """Make every fused or user-implementation choice beat native, so the choice
     that runs after tuning is deterministic (one of the implementations)."""
     monkeypatch.setattr(engine, "timing_hook",
-                        lambda medians: {n: t * (1e3 if n == "unfused" else 1.0)
+                        lambda medians: {n: t * (1e3 if n == "native" else 1.0)
                                          for n, t in medians.items()})
 
 
@@ -273,8 +273,8 @@ def test_register_op_goes_to_the_global_registry():
     scheduler.register_op(OP, triple_reference,
                           implementations={"fast": triple_fast, "flaky": triple_flaky})
     assert scheduler.get_cache_stats()["size"] == 0  # the registry changed: routes recomputed
-    with pytest.raises(ValueError, match="already registered"):
-        scheduler.register_op(OP, triple_fast)
+    with pytest.raises(ValueError, match="built-in"):
+        scheduler.register_op("relu", triple_fast)
 
 
 # ---- fallback and debug logs ---------------------------------------------------------------------
@@ -377,7 +377,7 @@ def flaky_all_reduce_rank(rank, world_size):
 
     unregister_algorithm("all_reduce", "cpu", "torch_fused")
     register_algorithm("all_reduce", "cpu", BreaksLater())
-    engine.timing_hook = lambda medians: {n: t * (1e3 if n == "unfused" else 1.0)
+    engine.timing_hook = lambda medians: {n: t * (1e3 if n == "native" else 1.0)
                                           for n, t in medians.items()}
     xs = [torch.randn(8, 256, generator=torch.Generator().manual_seed(10 + r))
           for r in range(world_size)]

@@ -1,7 +1,7 @@
 """`nccl+nt_epilogue` on the CPU: which spans it takes (supports() is pure Python, checked in
 process with CUDA metadata), and its runner on 2 gloo ranks with the kernel run by Triton's
 interpreter (in fresh rank processes, each with its own HOME for ninetoothed's cache): called
-directly, and as choices the engine tunes, checks against the baseline and across ranks."""
+directly, and as choices the engine tunes, checks against the fp32 reference and across ranks."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_supports_epilogue_chains(name, dtype):
 
 
 def test_refuses_what_it_cannot_run():
-    assert not supports(*span_and_meta("relu_scale", depth=0))  # that is the plain baseline
+    assert not supports(*span_and_meta("relu_scale", depth=0))  # that is native itself
     assert not supports(*span_and_meta("custom_op"))  # no kernel for a user's op
     for dtype in (torch.float64, torch.int32):
         assert not supports(*span_and_meta("relu_scale", dtype=dtype))
@@ -145,7 +145,7 @@ def _digest(t):
 
 
 def _rank_runs(rank, world_size, home):
-    """Per case and output: (close to the unfused baseline, digest of the bits). Plain data only:
+    """Per case and output: (close to the fp32 reference, digest of the bits). Plain data only:
     tensors sent from a process that then exits cannot be received."""
     os.environ["HOME"] = os.path.join(home, f"rank{rank}")  # ninetoothed's cache, per process
     os.makedirs(os.environ["HOME"], exist_ok=True)
@@ -159,7 +159,7 @@ def _rank_runs(rank, world_size, home):
         before = inputs["x"].clone()
         got = runner(dict(inputs))
         env = dict(inputs)
-        run_nodes(span.graph, span.indices, env, ctx)  # the unfused baseline
+        run_nodes(span.graph, span.indices, env, ctx)  # the fp32 reference
         results[name] = {
             "outputs": sorted(got), "expected": sorted(span.outputs),
             "input_untouched": torch.equal(before, inputs["x"]),
@@ -182,7 +182,7 @@ class _CpuNcclEpilogue(NcclEpilogueAlgorithm):
 
 def _through_the_engine(rank):
     """Tune a site with the engine: every choice of ours must pass its checks (against the
-    unfused baseline, and bitwise across ranks) and survive as a candidate."""
+    fp32 reference, and bitwise across ranks) and survive as a candidate."""
     import infini_dist
     from infini_dist.scheduler.choices import register_algorithm
     from infini_dist.scheduler.engine import executor_for

@@ -61,8 +61,13 @@ def test_register_op_rules():
     spec = ops.register_op("test_triple", triple, kind="elementwise", num_inputs=1, replace=True)
     assert ops.get_op("test_triple") is spec and ops.may_fuse("test_triple", "epilogue")
     assert ops.register_op("test_triple", triple, kind="elementwise", num_inputs=1) is spec
-    with pytest.raises(ValueError, match="already registered"):
-        ops.register_op("test_triple", lambda x: x, kind="elementwise")
+    before = ops.generation()
+    assert ops.register_op("test_triple", triple, kind="elementwise", num_inputs=1) is spec
+    assert ops.generation() == before  # the same definition again changes nothing
+    identity = ops.register_op("test_triple", lambda x: x, kind="elementwise")
+    assert ops.get_op("test_triple") is identity and ops.generation() == before + 1
+    with pytest.raises(ValueError, match="built-in"):
+        ops.register_op("add", triple, kind="elementwise")
     with pytest.raises(ValueError, match="kind"):
         ops.register_op("test_bad_kind", triple, kind="sideways")
     with pytest.raises(TypeError, match="callable"):
@@ -100,5 +105,5 @@ def matmul_site(rank, world_size):
 def test_user_op_implementations_are_tuned_and_agreed():
     (c0, cands0), (c1, cands1) = run_ranks(matmul_site, 2)
     assert c0 == c1
-    assert cands0 == cands1 == sorted(["unfused"] + [f"impl:{i}[p0,e{e}]" for i in ("mm", "einsum")
+    assert cands0 == cands1 == sorted(["native"] + [f"impl:{i}[p0,e{e}]" for i in ("mm", "einsum")
                                                      for e in range(3)])

@@ -133,7 +133,7 @@ def test_counts_in_one_bucket_share_one_tuning_and_fall_back_agreed():
         assert [m for _, m, _ in seen] == [1, 1, 2, 2, 3, 3, 4, 4]
         # Tuned at the bound 8 (rows_of_4 wins there); 5 and 6 cannot run it: the baseline.
         assert committed[8].startswith("rows_of_4") and committed[4].startswith("rows_of_4")
-        assert committed[5] == committed[6] == "unfused"
+        assert committed[5] == committed[6] == "native"
         assert record["bucket"] == 1 and record["op"] == "all_reduce+add_rms_norm"
         assert record["world_size"] == 2 and record["shapes"][0] == [1, HIDDEN]
     assert len(results[0][2]) == 4  # one disk record per bucket, on rank 0

@@ -17,8 +17,6 @@ does not know them, so call torch._dynamo.reset() after changing them in a runni
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -97,23 +95,29 @@ def enable() -> None:
     setattr(inductor_config, _OPTION, installed)
 
 
+def _without_ours(value):
+    """`value` with our pass taken out, whatever shape it has now (None if nothing is left)."""
+    if value is FUSION_PASS:
+        return None
+    if isinstance(value, (list, tuple)):
+        rest = [p for p in (_without_ours(v) for v in value) if p is not None]
+        return rest or None
+    if isinstance(value, _Chain):
+        rest = [p for p in (_without_ours(v) for v in value.passes) if p is not None]
+        return None if not rest else rest[0] if len(rest) == 1 else _Chain(*rest)
+    return value
+
+
 def disable() -> None:
-    """Undo enable(): restore what was there before, keeping passes set since."""
+    """Undo enable(): restore what was there before if nothing changed since, else take our
+    pass out of whatever is there now (passes set since are kept). Idempotent."""
     from torch._inductor import config as inductor_config
     current = getattr(inductor_config, _OPTION)
-    if not _contains_ours(current):
-        return
-    if current is _installed.get("installed"):
-        setattr(inductor_config, _OPTION, _installed.get("previous"))
-    elif isinstance(current, (list, tuple)):
-        setattr(inductor_config, _OPTION, [p for p in current if p is not FUSION_PASS] or None)
-    elif current is FUSION_PASS:
-        setattr(inductor_config, _OPTION, None)
-    else:
-        warnings.warn("infini_dist.compile.disable(): the post-grad pass was changed since "
-                      "enable(); left as it is", RuntimeWarning, stacklevel=2)
-        return
-    _installed.clear()
+    installed, previous = _installed.get("installed"), _installed.get("previous")
+    _installed.clear()  # never restore from a stale record on a later call
+    if _contains_ours(current):
+        setattr(inductor_config, _OPTION, previous if current is installed else
+                _without_ours(current))
 
 
 def compile_model(model, *, backend: str = "inductor", mode: str | None = None,

@@ -10,8 +10,9 @@ Replacement:
 
     out, h = infini_dist.fused_site([p, residual, weight], '<SubGraph: all_reduce -> add_rms_norm>')
 
-The engine turns that SubGraph into its choices (fused kernels at each depth, the unfused
-baseline) and commits the fastest across the group at run time.
+The engine turns that SubGraph into its choices (fused kernels at each depth, and `native`:
+NCCL + the epilogue as Inductor compiles it) and commits the fastest across the group at run
+time, native unless a fused choice beats it by `fusion_speedup_threshold`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
 compiled code (and Inductor's FX graph cache) carries the site itself, identical on every rank:
 no registry has to be filled before a cached graph can run. At run time the engine tunes the site
 across its group on the first call per input signature and runs the committed choice after that;
-under CUDA-graph capture without a decision it runs the unfused baseline (SiteRunner._decide).
+under CUDA-graph capture without a decision it runs natively in eager torch (SiteRunner._decide).
+The site's `native` choice is Inductor's own code for it (scheduler/native_inductor.py).
 First calls work on a thread of their own (scheduler/setup_thread.py), so CUDA-graph trees can
 warm up and record compiled graphs with these ops from the first call.
 """
@@ -61,14 +62,15 @@ def subgraph_from_json(text: str) -> SubGraph:
 
 # ---- the op --------------------------------------------------------------------------------------
 
-_EXECUTORS: dict = {}  # (graph text, settings) -> executor: no parsing of the text per call
+_EXECUTORS: dict = {}  # (text, settings, registry generation) -> executor: no parse per call
 
 
 def _executor(text: str):
-    settings = infini_dist.config.snapshot()
-    executor = _EXECUTORS.get((text, settings))
+    key = (text, infini_dist.config.snapshot(), op_registry.generation())  # re-registered: anew
+    executor = _EXECUTORS.get(key)
     if executor is None:
-        executor = _EXECUTORS[(text, settings)] = executor_for(subgraph_from_json(text), settings)
+        executor = _EXECUTORS[key] = executor_for(subgraph_from_json(text), key[1],
+                                                  compiled=True)
     return executor
 
 
@@ -122,7 +124,7 @@ def decisions() -> list[dict]:
     """What each compiled site that ran decided so far (candidates, times, committed choice),
     under whatever settings it ran with."""
     rows = []
-    for (text, _), executor in list(_EXECUTORS.items()):
+    for (text, *_), executor in list(_EXECUTORS.items()):
         for runner in executor.site_runners():
             if runner.last_decision is not None:
                 ops = "+".join(n.op_type for n in executor.graph.nodes)

@@ -2,8 +2,9 @@
 its nodes run one by one through their torch references, then run it.
 
 The decision (the *route*) is a pure function of the graph, the input shapes and dtypes, the
-FusionConfig and infini_dist.config. Every rank of a collective therefore routes the same way
-without a word to the others; no exchange is added to the dispatch path.
+FusionConfig and infini_dist.config. Those are per rank, so a collective graph's route is agreed
+across its group on a route-cache miss before any rank acts on it (fusion/agreement.py); cache
+hits add no exchange to the dispatch path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 import infini_dist
 from infini_dist.config import FLAGS, Settings
+from infini_dist.fusion.agreement import agree_route
 from infini_dist.scheduler import choices, engine
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.control import ControlPlaneError, control_plane
@@ -161,6 +163,13 @@ def _collective_group(graph: SubGraph, group):
     return choices.resolve_group(named, group)
 
 
+def group_size(group) -> int:
+    """Ranks in `group` (None: WORLD); 1 outside a distributed run."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return 1
+
+
 def _context(group, inputs: dict) -> choices.RunContext:
     device = next((t.device for t in inputs.values()), torch.device("cpu"))
     if dist.is_available() and dist.is_initialized():
@@ -197,7 +206,7 @@ class FusionScheduler:
         with the same graph, shapes, dtypes and config.
         """
         inputs = self._check(graph, inputs_dict)
-        entry = self._entry(graph, inputs)
+        entry = self._entry(graph, inputs, group)
         if entry.route.path == UNFUSED:
             self._bump("unfused_dispatches")
             return self._run_unfused(graph, inputs, group)
@@ -275,10 +284,10 @@ class FusionScheduler:
         if self.config.debug_mode:
             log.warning("infini_dist.fusion: " + message, *args)
 
-    def _entry(self, graph: SubGraph, inputs: dict) -> _Entry:
+    def _entry(self, graph: SubGraph, inputs: dict, group) -> _Entry:
         flags, config_key = _global_flags(), self.config.key()
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs.values())
-        key = (graph, signature, config_key, flags)
+        key = (graph, signature, config_key, flags, op_registry.generation(), group)
         caching = self.config.enable_cache
         if caching:
             entry = self._routes.get(key)
@@ -291,8 +300,12 @@ class FusionScheduler:
         self._bump("misses")
         settings = self._settings(flags, config_key)
         route = choose_route(graph, tuple(shape for shape, _ in signature), self.config, settings)
-        executor = engine.executor_for(graph, settings) if route.path == FUSED else None
         collective = any(node.op_type == "all_reduce" for node in graph.nodes)
+        ranks = _collective_group(graph, group) if collective else None
+        if collective and group_size(ranks) > 1:
+            agree_route(graph, signature, route.path, route.reason, ranks,
+                        settings.tuning_timeout_s)
+        executor = engine.executor_for(graph, settings) if route.path == FUSED else None
         entry = _Entry(route, settings, executor, collective)
         if caching:
             with self._lock:
@@ -348,10 +361,8 @@ class FusionScheduler:
         unfused all_reduce alone would pair it with another rank's next call (a wrong answer or
         a hang). The failing ranks vote on the control plane; if some rank does not join (it
         succeeded), the vote times out into a ControlPlaneError instead."""
-        if not (entry.collective and dist.is_available() and dist.is_initialized()):
-            return
         group = _collective_group(graph, group)
-        if dist.get_world_size(group) == 1:
+        if not entry.collective or group_size(group) == 1:
             return
         plane = control_plane(group, entry.settings.tuning_timeout_s)
         ballot = ("infini_dist.fusion fallback", graph.signature())

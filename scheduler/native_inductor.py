@@ -1,0 +1,137 @@
+"""The native choice of a compiled site: the code Inductor would have run there without our pass.
+
+Inside a torch.compile'd graph the user's own path is not eager torch: it is the collective
+(NCCL, through torch.distributed) followed by the epilogue as Inductor compiles it. That is what a
+fused choice of a compiled site has to beat, so the native choice there runs the prologue and
+the collectives natively and the epilogue through `torch.compile(fullgraph=True, dynamic=False)`
+in the default mode, one compile per (epilogue, input shapes), cached for the process.
+
+Compiling happens on the first run with new shapes, which the engine makes at tune time (its
+trial run) or right after a cache hit, never inside a CUDA-graph capture: a run under capture
+with shapes not compiled yet uses eager torch instead. A compile that fails falls back to eager
+torch as well, with a warning: the native path must always run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import types
+
+import torch
+
+from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler.choices import NATIVE, Choice, run_nodes
+from infini_dist.scheduler.ir import external_inputs, live_outputs
+
+log = logging.getLogger("infini_dist")
+
+# (epilogue nodes, inputs, outputs, metas) -> compiled fn, or None where compiling failed
+_COMPILED: dict[tuple, object] = {}
+_LOCK = threading.Lock()
+
+
+def _epilogue_function(steps, inputs, outputs, name):
+    """A plain function running `steps` ((native fn, inputs, outputs, attrs) each) with a code
+    object of its own: Dynamo keeps compiled code, and its recompile limit, per code object, so
+    sites sharing one would evict each other."""
+    def epilogue(*values):
+        env = dict(zip(inputs, values))
+        for fn, node_inputs, node_outputs, attrs in steps:
+            result = fn(*[env[n] for n in node_inputs], **attrs)
+            env.update(zip(node_outputs, result if isinstance(result, tuple) else (result,)))
+        return tuple(env[n] for n in outputs)
+    code = epilogue.__code__.replace(co_name=name)
+    return types.FunctionType(code, epilogue.__globals__, name, None, epilogue.__closure__)
+
+
+def epilogue_key(nodes, inputs, outputs, metas) -> tuple:
+    return tuple(nodes), tuple(inputs), tuple(outputs), tuple(metas)
+
+
+def compiled_epilogue(key: tuple):
+    """The torch.compile'd native epilogue for this `epilogue_key` (made once; None if it
+    failed to compile before)."""
+    nodes, inputs, outputs, _ = key
+    with _LOCK:
+        if key in _COMPILED:
+            return _COMPILED[key]
+        steps = []
+        for node in nodes:
+            spec = op_registry.get_op(node.op_type)
+            steps.append((spec.native or spec.fn, node.inputs, node.outputs, node.attr_dict))
+        plain = _epilogue_function(steps, inputs, outputs, f"native_epilogue_{len(_COMPILED)}")
+        # No post-grad passes: ours has no collective to find here, and a user's own were
+        # written for their graphs, not for this one.
+        fn = _COMPILED[key] = torch.compile(plain, fullgraph=True, dynamic=False,
+                                            options={"post_grad_custom_post_pass": None})
+        return fn
+
+
+def _failed(key: tuple) -> None:
+    with _LOCK:
+        _COMPILED[key] = None
+
+
+def epilogues_compiled() -> int:
+    """How many native epilogues were handed to torch.compile in this process (each is one
+    Dynamo graph once it runs): reports subtract them from the user's own graph count."""
+    return len(_COMPILED)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class InductorNativeChoice(Choice):
+    """`native` for a compiled site: collectives through torch.distributed, epilogue by Inductor."""
+
+    def __init__(self, graph, site):
+        eager = tuple(i for i in site.region if i not in site.epilogue)
+        super().__init__(NATIVE, [("nodes", eager)], graph, site)
+        self.epilogue_inputs = external_inputs(graph, site.epilogue)
+        self.epilogue_outputs = live_outputs(graph, site.epilogue)
+        self._compiled = None
+        self._key = None
+        self._ready: set[tuple] = set()  # input shapes the compiled code has run with
+
+    def precompile(self, meta, ctx) -> None:
+        super().precompile(meta, ctx)
+        if self.site.epilogue:
+            self._key = epilogue_key([self.graph.nodes[i] for i in self.site.epilogue],
+                                     self.epilogue_inputs, self.epilogue_outputs,
+                                     [meta[n] for n in self.epilogue_inputs])
+            self._compiled = compiled_epilogue(self._key)
+
+    @property
+    def uses_inductor(self) -> bool:
+        """Whether the epilogue runs Inductor's code (False before precompile or after a failed
+        compile)."""
+        return self._compiled is not None
+
+    def run(self, inputs: dict) -> dict:
+        env = dict(inputs)
+        run_nodes(self.graph, self.steps[0][1], env, self._ctx, native=True)
+        if self.site.epilogue:
+            values = [env[n] for n in self.epilogue_inputs]
+            env.update(zip(self.epilogue_outputs, self._epilogue(values)))
+        return {name: env[name] for name in self.outputs}
+
+    def _epilogue(self, values) -> tuple:
+        shapes = tuple(v.shape for v in values)
+        if self._compiled is not None and shapes in self._ready:
+            return self._compiled(*values)
+        if self._compiled is not None and not _capturing():
+            try:
+                result = self._compiled(*values)  # compiles on the first call
+                self._ready.add(shapes)
+                return result
+            except Exception as error:  # noqa: BLE001 - native must run: eager torch instead
+                log.warning("infini_dist: Inductor could not compile the native epilogue of "
+                            "%s (%s: %s); running it in eager torch", self.name,
+                            type(error).__name__, error)
+                self._compiled = None
+                _failed(self._key)
+        env = dict(zip(self.epilogue_inputs, values))
+        run_nodes(self.graph, self.site.epilogue, env, self._ctx, native=True)
+        return tuple(env[n] for n in self.epilogue_outputs)

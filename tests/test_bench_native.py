@@ -1,0 +1,47 @@
+"""`infini-dist bench` (the collective + epilogue sweep): the native row and the engine-vs-native
+check. The GPU sweep cannot run here; --cpu-smoke runs the whole script on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from infini_dist.launch import bench
+
+
+def _row(impl, graph, eager, pattern="swiglu", tokens=16):
+    return {"pattern": pattern, "tokens": tokens, "impl": impl, "graph_us": graph,
+            "eager_us": eager}
+
+
+def test_above_native_lists_only_engine_rows_slower_than_native_beyond_noise():
+    rows = [_row("native", 10.0, 40.0), _row("engine", 10.4, 45.0),  # graph within 5%, eager not
+            _row("cand:x[p0,e1]", 99.0, 99.0),  # candidates are not the engine row
+            _row("native", 20.0, None, tokens=128), _row("engine", 19.0, None, tokens=128),
+            _row("engine", 50.0, 50.0, pattern="relu_scale")]  # no native row to compare with
+    found = bench.above_native(rows, 0.05)
+    assert found == [{"pattern": "swiglu", "tokens": 16, "mode": "eager", "engine_us": 45.0,
+                      "native_us": 40.0}]
+    assert bench.above_native(rows, 0.2) == []
+
+
+def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"),
+               INFINI_DIST_BENCHMARK_REPS="2", INFINI_DIST_BENCHMARK_WARMUP="1")
+    run = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "bench", "--nproc", "2",
+                          "--cpu-smoke", "--tokens", "2", "--hidden", "32", "--patterns",
+                          "add_rms_norm", "--trials", "2", "--replays", "2", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    impls = {r["impl"] for r in data["rows"]}
+    assert {"native", "cand:native", "engine"} <= impls
+    assert not any("unfused" in name for name in impls)
+    case = data["meta"]["cases"]["add_rms_norm/2"]
+    assert case["engine_vs_native_max_abs"] < 1e-5  # float32 on CPU
+    assert "native" in case["tuning_times_us"]
+    assert isinstance(data["meta"]["engine_above_native"], list)
+    assert "engine above native by more than 5%" in run.stdout
