@@ -63,6 +63,19 @@ def _path(name, value):
     return str(value)
 
 
+def _token_buckets(name, value):
+    # Upper bounds of the token buckets, strictly increasing; empty means powers of two.
+    if isinstance(value, (str, int)):
+        value = (value,)
+    try:
+        bounds = tuple(_positive_int(name, int(v) if isinstance(v, str) else v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be increasing ints >= 1, got {value!r}") from None
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must be strictly increasing, got {bounds}")
+    return bounds
+
+
 # name -> (default, validator)
 FLAGS = {
     "enable_custom_op_fusion": (True, _bool),
@@ -78,6 +91,9 @@ FLAGS = {
     "cache_dir": ("~/.cache/infini_dist", _path),
     "enable_disk_cache": (True, _bool),
     "debug_mode": (False, _bool),
+    "token_buckets": ((), _token_buckets),
+    "max_token_bucket": (8192, _positive_int),
+    "tune_at_request_time": (True, _bool),
 }
 
 
@@ -120,6 +136,9 @@ class Settings:
     cache_dir: str
     enable_disk_cache: bool
     debug_mode: bool
+    token_buckets: tuple
+    max_token_bucket: int
+    tune_at_request_time: bool
 
     def decision_fields(self) -> dict:
         """The flags that change which choice is committed, hence part of the cache key."""

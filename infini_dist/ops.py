@@ -1,6 +1,6 @@
 """Eager deferred-choice ops: all_reduce fused with what follows it.
 
-Each call runs a small graph through the engine. The first call per shape signature tunes across
+Each call runs a small graph through the engine. The first call per token bucket tunes across
 the group (every rank of `group` must make the call, as with any collective); later calls go
 straight to the committed choice.
 """

@@ -12,3 +12,17 @@ def shutdown():
     dist.barrier()
     reset_control_planes()
     dist.destroy_process_group()
+
+
+def init_job():
+    """Join the torchrun job: NCCL on this rank's GPU in bf16, else gloo on CPU in fp32.
+    Returns (device, dtype)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)

@@ -9,7 +9,6 @@ the precompile phase (what the thread pool speeds up) and the whole tuning, max 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ import infini_dist
 from infini_dist.scheduler.cache import DECISIONS
 from infini_dist.scheduler.engine import GraphExecutor
 from infini_dist.scheduler.ir import OpNode, SubGraph
-from infini_dist.launch import shutdown
+from infini_dist.launch import init_job, shutdown
 
 
 def site_graph() -> SubGraph:
@@ -53,12 +52,7 @@ def main(argv=None):
     parser.add_argument("--hiddens", type=int, nargs="+", default=[1024, 2048, 3072, 4096])
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = init_job()
     rows = []
     for threads in args.threads:
         # Fresh hidden sizes per row, so no kernel compiled for an earlier row is reused.

@@ -1,4 +1,5 @@
-"""`infini-dist`: start the demo or a benchmark under torchrun, one rank per GPU (or 2 on CPU)."""
+"""`infini-dist`: start the demo, a benchmark or a warm-up under torchrun, one rank per GPU (or 2
+on CPU); `infini-dist cache ...` manages the decision cache (no torchrun)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="infini-dist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in [("demo", "run the tensor-parallel demo block"),
-                            ("bench", "run the collective + epilogue benchmark sweep")]:
+                            ("bench", "run the collective + epilogue benchmark sweep"),
+                            ("tune", "warm up every token bucket of a model (launch/tune.py)")]:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--nproc", type=int, default=None,
                        help="ranks to start (default: one per GPU, or 2 on CPU)")
@@ -41,11 +43,17 @@ def main(argv=None) -> int:
                                 "mistral (launch/bench_hf.py)")
             p.add_argument("--train", action="store_true",
                            help="the TP decoder training step benchmark (launch/bench_train.py)")
+    # Its own parser reads the rest, -h included.
+    sub.add_parser("cache", help="list | show KEY | clear [KEY ...] decisions", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "cache":
+        from infini_dist.launch import cache_cli
+        return cache_cli.main(rest)
     nproc = args.nproc or default_nproc()
     if nproc < 1:
         parser.error("--nproc must be >= 1")
-    module = {"demo": "infini_dist.launch.demo", "bench": "infini_dist.launch.bench"}[args.command]
+    module = {"demo": "infini_dist.launch.demo", "bench": "infini_dist.launch.bench",
+              "tune": "infini_dist.launch.tune"}[args.command]
     if sum(map(bool, (getattr(args, "model", False), getattr(args, "hf", None),
                       getattr(args, "train", False)))) > 1:
         parser.error("bench: one of --model, --hf and --train")

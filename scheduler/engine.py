@@ -1,12 +1,12 @@
 """Deferred choice, end to end: run a graph, and tune each site across its group on first sight.
 
-Per site and input signature, all ranks of the site's group, in lockstep over the control plane:
-agree on the signature -> agree on cache hit/miss -> agree on the choice list -> precompile in a
-thread pool and drop what failed anywhere -> per choice: trial run checked against the fp32
-reference, failures dropped everywhere, then timed -> medians combined by MAX -> pick (native
-unless a choice beats it by the speed-up threshold; ties by name) -> rank 0's pick broadcast and
-checked -> commit to the cache. The reference is never timed or committed; the fallback is
-`native`, the user's own path.
+Per site and token bucket (scheduler/buckets.py: tuned at the bound, compiled per exact count),
+all ranks of the site's group, in lockstep over the control plane: agree on the signature ->
+agree on cache hit/miss -> agree on the choice list -> precompile in a thread pool and drop what
+failed anywhere -> per choice: trial run checked against the fp32 reference, failures dropped
+everywhere, then timed -> medians combined by MAX -> pick (native unless a choice beats it by the
+speed-up threshold; ties by name) -> rank 0's pick broadcast and checked -> commit to the cache.
+The reference is never timed or committed; the fallback is `native`, the user's own path.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import infini_dist
 from infini_dist.config import Settings
-from infini_dist.scheduler import benchmark, data_plane
+from infini_dist.scheduler import benchmark, buckets, data_plane, report
 from infini_dist.scheduler.cache import DECISIONS, versions
 from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMeta,
                                            generate_choices, native_choice, resolve_group,
@@ -35,6 +35,7 @@ from infini_dist.scheduler.data_plane import DataPlaneError, describe, guarded
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.ops import close_enough, generation
 from infini_dist.scheduler.setup_thread import run_aside
+from infini_dist.scheduler.shapes import site_meta
 
 log = logging.getLogger("infini_dist")
 
@@ -54,12 +55,6 @@ def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
                     live_outputs(graph, region))
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
-
-
 def _digest(values: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(values):
@@ -75,7 +70,7 @@ def _native_like(choice: Choice) -> bool:
 
 
 class SiteRunner:
-    """One site of one graph: its committed choice per input signature."""
+    """One site of one graph: its decision per token bucket, compiled per exact signature."""
 
     def __init__(self, graph: SubGraph, site: Site, settings: Settings, compiled: bool = False):
         self.graph = graph
@@ -87,7 +82,8 @@ class SiteRunner:
         self.outputs = self.sub.output_names
         self.has_collective = any(graph.nodes[a].op_type == "all_reduce" for a in site.anchors)
         self.group_name = graph.nodes[site.anchors[0]].attr("group_name")
-        self._committed: dict[tuple, Choice] = {}
+        self._committed: dict[tuple, Choice] = {}  # exact local signature -> compiled choice
+        self._decided: dict[tuple, str] = {}  # bucket signature -> committed choice name
         self._lock = threading.Lock()
         self.last_tuning: dict | None = None  # set when this runner benchmarked
         self.last_decision: dict | None = None  # set by tuning or by a cache hit
@@ -118,25 +114,24 @@ class SiteRunner:
         """(choices, meta, reference) for these inputs: one pass through the fp32 references
         gives the expected outputs and every intermediate's shape and dtype, from which the
         choices are made."""
-        s = self.settings
         env = dict(values)
         run_nodes(self.graph, self.site.region, env, ctx)
         reference = {name: env[name] for name in self.outputs}
         meta = {n: TensorMeta.of(v) for n, v in env.items() if isinstance(v, torch.Tensor)}
-        choices = generate_choices(self.graph, self.site, meta, ctx,
-                                   fusion_types=s.custom_op_fusion_types,
-                                   max_depth=s.max_fusion_depth,
-                                   recursive=s.enable_recursive_fusion,
-                                   enable_fusion=s.enable_custom_op_fusion,
-                                   compiled=self.compiled)
-        return choices, meta, reference
+        return self._choices(meta, ctx), meta, reference
+
+    def _choices(self, meta: dict, ctx: RunContext) -> list[Choice]:
+        s = self.settings
+        return generate_choices(self.graph, self.site, meta, ctx,
+                                fusion_types=s.custom_op_fusion_types,
+                                max_depth=s.max_fusion_depth, recursive=s.enable_recursive_fusion,
+                                enable_fusion=s.enable_custom_op_fusion, compiled=self.compiled)
 
     def _decide(self, values: dict, group, local: tuple) -> dict:
-        """Tune and commit; this call's outputs from the committed choice."""
+        """Commit a choice for these exact shapes: its token bucket's decision (tuned or loaded
+        across the group at the bucket's first count), compiled for them; this call's outputs.
+        Every rank sees the same counts in the same order (agreed), so each takes the same path."""
         ctx = self._context(values, group)
-        baseline_only = any(isinstance(v, torch.Tensor) and
-                            (not v.dtype.is_floating_point or v.numel() == 0)
-                            for v in values.values())
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             log.warning("infini_dist: no decision for %s before CUDA-graph capture; running it "
                         "natively (warm up eagerly first)", self.sub.signature()[:12])
@@ -150,23 +145,61 @@ class SiteRunner:
         # differently fail the signature check on every rank instead.
         with plane.lock if plane is not None else contextlib.nullcontext():
             # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
-            choice = run_aside(lambda: self._decide_aside(values, ctx, plane, baseline_only),
-                               ctx.device)
+            choice = run_aside(lambda: self._decide_aside(values, ctx, plane), ctx.device)
             self._committed[local] = choice
             return choice.run(values)
 
-    def _decide_aside(self, values: dict, ctx: RunContext, plane: ControlPlane | None,
-                      baseline_only: bool) -> Choice:
-        signature = {"subgraph": self.sub.signature(),
+    def _decide_aside(self, values: dict, ctx: RunContext, plane: ControlPlane | None) -> Choice:
+        tokens = buckets.tokens_of(values, self.settings)
+        bucket = (id(ctx.group),) + buckets.signature(values, tokens)
+        # Every new exact signature is agreed, inside a decided bucket too: ranks whose counts
+        # differ but share a bucket would otherwise each compile for their own.
+        signature = {"subgraph": self.sub.signature(), "bucket": tokens and tokens.bound,
                      "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                                 else (n, repr(v)) for n, v in values.items()]}
         if plane is not None:
             plane.agree(signature, "signature", "input shapes and dtypes")
-        choice = self._tune(values, ctx, plane, baseline_only)
-        # The committed choice's first call (collective setup after a cache hit: symmetric
-        # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank.
-        choice.run(values)
+        name = self._decided.get(bucket)
+        if name is None:
+            tuned = buckets.at_bound(values, tokens) if tokens else values
+            baseline_only = any(isinstance(v, torch.Tensor) and
+                                (not v.dtype.is_floating_point or v.numel() == 0)
+                                for v in tuned.values())
+            choice = self._tune(tuned, ctx, plane, baseline_only)
+            # The committed choice's first call (collective setup after a cache hit: symmetric
+            # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank,
+            # at the bucket bound: buffers are sized for every count of the bucket.
+            choice.run(tuned)
+            self._decided[bucket] = choice.name
+            if buckets.same_layout(values, tuned):
+                return choice
+            name = choice.name
+        choice = self._specialize(name, values, ctx, plane)
+        choice.run(values)  # its first call (launch binding) here too, every rank alike
         return choice
+
+    def _specialize(self, name: str, values: dict, ctx: RunContext, plane) -> Choice:
+        """The committed `name` compiled for these exact shapes. Where it cannot run them
+        (support is a pure function of shapes, so every rank finds the same) or failed to
+        compile on any rank (agreed), native."""
+        try:
+            meta = site_meta(self.graph, self.site.region, values, ctx.device)
+            choices = self._choices(meta, ctx)
+        except Exception:  # noqa: BLE001 - a user op without meta support: one real pass
+            choices, meta, _ = self.candidates(values, ctx)  # (the same on every rank)
+        chosen = next((c for c in choices if c.name == name), None)
+        if chosen is None:
+            log.info("infini_dist: %s cannot run %s; native runs them", name,
+                     {n: tuple(m.shape) for n, m in meta.items() if n in values})
+            return self._native(ctx)
+        try:
+            chosen.precompile(meta, ctx)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - it compiled at the bucket bound: agreed below
+            error = f"{type(exc).__name__}: {exc}"
+        if not self._agree_failures([chosen], {chosen.name: error}, plane, "precompile (count)"):
+            return self._native(ctx)
+        return chosen
 
     def _native(self, ctx):
         # Eager torch even for a compiled site: nothing to compile here (maybe under capture).
@@ -177,9 +210,13 @@ class SiteRunner:
     def _key(self, values, ctx) -> str:
         tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
-                                  group_size=ctx.world_size, device=_device_name(ctx.device),
+                                  group_size=ctx.world_size, device=report.device_name(ctx.device),
                                   settings=self.settings.decision_fields(),
                                   native=self._native_path(), **versions())
+
+    def _about(self, values, ctx) -> dict:
+        tokens = buckets.tokens_of(values, self.settings)
+        return report.describe(self.sub, values, tokens and tokens.bound, ctx)
 
     def _native_path(self) -> str:
         return "inductor" if self.compiled else "eager"
@@ -197,6 +234,11 @@ class SiteRunner:
         if plane is not None:
             record = plane.broadcast(record if rank0 else None, "cache lookup")
         DECISIONS.count(hit=record is not None)
+        if record is None and not s.tune_at_request_time:
+            # The lookup was broadcast, so every rank raises here together.
+            raise TuningError(f"infini_dist: no decision for {self._about(values, ctx)} and "
+                              f"config.tune_at_request_time is False; warm this shape up first "
+                              f"(infini_dist.warmup or `infini-dist tune`)")
 
         choices, meta, reference = self._agreed(plane, "reference run",
                                                 lambda: self.candidates(values, ctx))
@@ -356,18 +398,24 @@ class SiteRunner:
         mine = benchmark.pick(worst, NATIVE, native_like, s.fusion_speedup_threshold)
         if plane is not None:
             plane.agree(mine, "decision", "the chosen choice")
-        record = {"choice": mine, "native": self._native_path(), "times_s": worst,
-                  "candidates": [c.name for c in survivors],
-                  "subgraph": self.sub.canonical(), "precompile_s": precompile_s,
-                  "tuning_s": time.perf_counter() - started}
+        record = dict(self._about(values, ctx), choice=mine, native=self._native_path(),
+                      times_s=worst, candidates=[c.name for c in survivors],
+                      subgraph=self.sub.canonical(), precompile_s=precompile_s,
+                      tuning_s=time.perf_counter() - started)
         DECISIONS.put_memory(key, record)
         if (plane is None or plane.rank == 0) and s.enable_disk_cache:
             DECISIONS.write_disk(s.cache_dir, key, record)
         self.last_tuning = record
         self.last_decision = dict(record, source="tuned")
-        (log.warning if s.debug_mode else log.debug)(
-            "infini_dist: committed %s for %s (%s)", mine, key[:12],
-            ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(worst.items(), key=lambda x: x[1])))
+        if plane is None or plane.rank == 0:
+            bucket = f" tokens<={record['bucket']}" if record["bucket"] else ""
+            report.tuned(f"infini_dist: tuned {record['op']}{bucket} "
+                         f"{'/'.join(record['dtypes'])} -> {mine} {worst[mine] * 1e6:.1f}us "
+                         f"({len(survivors)} choices, {record['tuning_s']:.2f}s, {key[:12]})",
+                         loud=s.debug_mode)
+        log.debug("infini_dist: timings for %s: %s", key[:12],
+                  ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(worst.items(),
+                                                                       key=lambda x: x[1])))
         return next(c for c in survivors if c.name == mine)
 
 

@@ -25,6 +25,7 @@ from infini_dist.compile.cudagraph_tree_state import settle_failed_warmup
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.shapes import shape_env
 
 OP_NAME = "infini_dist::fused_site"
 
@@ -108,30 +109,9 @@ def fused_site(inputs: list[torch.Tensor], graph: str) -> list[torch.Tensor]:
     return _unaliased([values[name] for name in executor.graph.output_names], list(inputs))
 
 
-def _custom_op_call(name: str, tensors: list, attrs: dict):
-    """A user anchor op under fake tensors: its torch.library fake if it has one, else its ref."""
-    namespace, _, op_name = name.partition("::")
-    packet = getattr(getattr(torch.ops, namespace, None), op_name, None) if op_name else None
-    if packet is not None:
-        return packet(*tensors, **attrs)
-    return op_registry.get_op(name).fn(*tensors, **attrs)
-
-
 def evaluate_shapes(sub: SubGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Outputs with the right shapes and dtypes (contiguous), computed without communication."""
-    env = dict(zip(sub.input_names, inputs))
-    for node in sub.nodes:
-        tensors = [env[name] for name in node.inputs]
-        spec = op_registry.get_op(node.op_type)
-        if spec.kind == "collective":
-            results = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                            for t in tensors)
-        elif spec.kind == "custom":
-            results = _custom_op_call(node.op_type, tensors, node.attr_dict)
-        else:
-            results = op_registry.run_node(node.op_type, tensors, node.attr_dict)
-        results = results if isinstance(results, (tuple, list)) else (results,)
-        env.update(zip(node.outputs, results))
+    env = shape_env(sub.nodes, dict(zip(sub.input_names, inputs)))
     return [torch.empty_like(env[name], memory_format=torch.contiguous_format)
             for name in sub.output_names]
 

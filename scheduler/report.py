@@ -1,0 +1,43 @@
+"""Tuning says what it did: one line per tuned site, on rank 0 only (the caller checks the rank).
+
+While a warm-up progress bar is up the line goes through tqdm (so the bar stays whole); else to
+the `infini_dist` logger at INFO, or to stderr where logging is not configured at all (Python
+would drop an INFO record then, and a model tuning for seconds in silence looks hung).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger("infini_dist")
+
+progress_bar = None  # the warm-up's tqdm bar while it runs (infini_dist.warmup sets it)
+
+
+def tuned(line: str, loud: bool = False) -> None:
+    if progress_bar is not None:
+        progress_bar.write(line, file=progress_bar.fp)
+    elif loud:
+        log.warning(line)
+    elif log.hasHandlers():
+        log.info(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def describe(sub, values: dict, bucket: int | None, ctx) -> dict:
+    """What a decision record says of its site, for `infini-dist cache list`."""
+    tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+    return {"op": "+".join(n.op_type for n in sub.nodes), "bucket": bucket,
+            "shapes": [list(t.shape) for t in tensors],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "world_size": ctx.world_size, "device": device_name(ctx.device)}
