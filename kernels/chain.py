@@ -19,7 +19,10 @@ A chain with a row-norm step runs whole rows per tile; one without runs flat ele
 
 from __future__ import annotations
 
+
 import math
+
+import torch
 from dataclasses import dataclass
 
 ELEMENTWISE_OPS = {"add": 2, "mul": 2, "swiglu": 2, "scale": 1, "relu": 1, "silu": 1, "gelu": 1,
@@ -94,10 +97,15 @@ class Chain:
         return slots
 
     def output_dtypes(self, input_dtypes):
-        """Every result takes its step's first operand's dtype, as the op references do."""
+        """The dtypes the op references give: an elementwise step promotes its operands as
+        torch does (bf16 * an fp32 vector is fp32); a norm keeps its input's dtype."""
         dtypes = list(input_dtypes)
         for step, slots in zip(self.steps, self.result_slots()):
-            dtypes.extend(dtypes[step.reads[0]] for _ in slots)
+            result = dtypes[step.reads[0]]
+            if step.op not in ROWWISE_OPS:
+                for read in step.reads[1:]:
+                    result = torch.promote_types(result, dtypes[read])
+            dtypes.extend(result for _ in slots)
         return [dtypes[slot] for slot in self.outputs]
 
 

@@ -364,6 +364,9 @@ class SiteRunner:
         precompile_s = time.perf_counter() - started
         survivors = []
         replicated = True
+        floats = [v.dtype for v in values.values()
+                  if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+        computed_in = max(floats, key=lambda d: torch.finfo(d).eps, default=None)
         for choice in choices:
             if plane is not None:
                 plane.barrier(f"start {choice.name}")
@@ -371,8 +374,13 @@ class SiteRunner:
             try:
                 with data_plane.bounded(self._data_timeout(), f"trial {choice.name}"):
                     out = choice.run(values)
-                wrong = [n for n in reference if not close_enough(out[n], reference[n])]
-                if wrong:
+                wrong = [n for n in reference
+                         if not close_enough(out[n], reference[n], computed_in)]
+                if wrong and choice.name == NATIVE:
+                    # The user's own path stays the fallback; the reference only vets ours.
+                    log.warning("infini_dist: native output %s of %s is off the fp32 reference "
+                                "by more than the tolerance", wrong, self.sub.signature()[:12])
+                elif wrong:
                     error = f"output {wrong} differs from the fp32 reference"
                 digest = _digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal

@@ -226,7 +226,7 @@ def test_chain_kernel(pool, name, dtype):
         in_fp32 = unfused(nodes, inputs, outputs, [t.float() for t in tensors])
         for g, s, f in zip(got, stepwise, in_fp32):
             assert_matches(g, f.to(s.dtype), what=f"{name} {shape}")
-            assert ops.close_enough(g, s), (name, shape)
+            assert ops.close_enough(g, s, computed_in=dtype), (name, shape)
 
 
 def test_chain_kernel_in_place_and_non_contiguous(pool):
@@ -378,4 +378,4 @@ def test_chain_kernel_on_gpu(name, dtype):
         for g, s, f in zip(got, stepwise, in_fp32):
             assert_matches(g, f.to(s.dtype), ulps=8 if dtype == torch.float32 else 1,
                            what=f"{name} {shape}")
-            assert ops.close_enough(g, s), (name, shape)
+            assert ops.close_enough(g, s, computed_in=dtype), (name, shape)
