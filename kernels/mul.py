@@ -1,7 +1,7 @@
-"""mul, one pass: out = a * b (b broadcast to a's shape; the result has a's dtype).
+"""mul, one pass: out = a * b (b broadcast to a's shape; the result has torch's promoted dtype).
 
 Unfused torch:
-    out = (a.float() * b.float()).to(a.dtype)
+    out = (a.float() * b.float()).to(torch.promote_types(a.dtype, b.dtype))
 """
 
 import ninetoothed.language as ntl

@@ -147,7 +147,9 @@ def run_elementwise(make, inputs, scalars=(), out=None, out_dtype=None):
     `inputs` (broadcast together), `scalars` and one output. Returns the output."""
     check_dtypes(*inputs)
     shape = broadcast_shape(t.shape for t in inputs)
-    out = output(out, shape, out_dtype or inputs[0].dtype, inputs[0].device)
+    # The dtype torch gives (bf16 * an fp32 row is fp32), as the op references do.
+    promoted = functools.reduce(torch.promote_types, (t.dtype for t in inputs))
+    out = output(out, shape, out_dtype or promoted, inputs[0].device)
     if out.numel() == 0:
         return out
     views, block_m, block_n = elementwise_views(inputs, [out], shape)

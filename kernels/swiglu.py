@@ -1,7 +1,8 @@
 """swiglu, one pass: out = silu(gate) * up.
 
 Unfused torch:
-    out = (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
+    out = torch.nn.functional.silu(gate.float()) * up.float()
+    out = out.to(torch.promote_types(gate.dtype, up.dtype))
 """
 
 import ninetoothed.language as ntl

@@ -3,8 +3,9 @@
 Inside a torch.compile'd graph the user's own path is not eager torch: it is the collective
 (NCCL, through torch.distributed) followed by the epilogue as Inductor compiles it. That is what a
 fused choice of a compiled site has to beat, so the native choice there runs the prologue and
-the collectives natively and the epilogue through `torch.compile(fullgraph=True, dynamic=False)`
-in the default mode, one compile per (epilogue, input shapes), cached for the process.
+the collectives natively and the epilogue through `torch.compile(fullgraph=True)`
+in the default mode, one compiled function per (epilogue, input dtypes and row length), cached
+for the process (Dynamo makes the token count dynamic after the first count it sees).
 
 Compiling happens on the first run with new shapes, which the engine makes at tune time (its
 trial run) or right after a cache hit, never inside a CUDA-graph capture: a run under capture
@@ -61,11 +62,20 @@ def compiled_epilogue(key: tuple):
             spec = op_registry.get_op(node.op_type)
             steps.append((spec.native or spec.fn, node.inputs, node.outputs, node.attr_dict))
         plain = _epilogue_function(steps, inputs, outputs, f"native_epilogue_{len(_COMPILED)}")
-        # No post-grad passes: ours has no collective to find here, and a user's own were
-        # written for their graphs, not for this one.
-        fn = _COMPILED[key] = torch.compile(plain, fullgraph=True, dynamic=False,
-                                            options={"post_grad_custom_post_pass": None})
+        fn = _COMPILED[key] = torch.compile(plain, fullgraph=True, backend=_counted_inductor)
         return fn
+
+
+_GRAPHS = [0]  # Dynamo graphs handed to Inductor for native epilogues (a recompile counts)
+
+
+def _counted_inductor(gm, example_inputs):
+    from torch._inductor.compile_fx import compile_fx
+    with _LOCK:
+        _GRAPHS[0] += 1
+    # No post-grad passes: ours has no collective to find here, and a user's own were
+    # written for their graphs, not for this one.
+    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": None})
 
 
 def _failed(key: tuple) -> None:
@@ -74,9 +84,9 @@ def _failed(key: tuple) -> None:
 
 
 def epilogues_compiled() -> int:
-    """How many native epilogues were handed to torch.compile in this process (each is one
-    Dynamo graph once it runs): reports subtract them from the user's own graph count."""
-    return len(_COMPILED)
+    """How many Dynamo graphs the native epilogues of this process compiled: reports subtract
+    them from the user's own graph count."""
+    return _GRAPHS[0]
 
 
 def _capturing() -> bool:
@@ -98,9 +108,12 @@ class InductorNativeChoice(Choice):
     def precompile(self, meta, ctx) -> None:
         super().precompile(meta, ctx)
         if self.site.epilogue:
+            # Keyed without the leading (token) dims: one compiled function serves every count,
+            # and Dynamo's automatic dynamic shapes recompile it once at most.
             self._key = epilogue_key([self.graph.nodes[i] for i in self.site.epilogue],
                                      self.epilogue_inputs, self.epilogue_outputs,
-                                     [meta[n] for n in self.epilogue_inputs])
+                                     [(len(m.shape), m.shape[-1:], m.dtype, m.device)
+                                      for m in (meta[n] for n in self.epilogue_inputs)])
             self._compiled = compiled_epilogue(self._key)
 
     @property
@@ -119,11 +132,15 @@ class InductorNativeChoice(Choice):
 
     def _epilogue(self, values) -> tuple:
         shapes = tuple(v.shape for v in values)
+        # The site runs inside a compiled graph (no autograd of its own) and is tuned on a
+        # no-grad thread: one grad mode everywhere, or Dynamo's guards recompile per mode.
         if self._compiled is not None and shapes in self._ready:
-            return self._compiled(*values)
+            with torch.no_grad():
+                return self._compiled(*values)
         if self._compiled is not None and not _capturing():
             try:
-                result = self._compiled(*values)  # compiles on the first call
+                with torch.no_grad():
+                    result = self._compiled(*values)  # compiles on the first call
                 self._ready.add(shapes)
                 return result
             except Exception as error:  # noqa: BLE001 - native must run: eager torch instead
