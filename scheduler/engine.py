@@ -15,33 +15,28 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 import infini_dist
 from infini_dist.config import Settings
-from infini_dist.scheduler import benchmark, buckets, data_plane, report
+from infini_dist.scheduler import benchmark, buckets, data_plane, lockstep, report
 from infini_dist.scheduler.cache import DECISIONS, versions
 from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMeta,
                                            generate_choices, native_choice, resolve_group,
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, control_plane
-from infini_dist.scheduler.data_plane import DataPlaneError, describe, guarded
+from infini_dist.scheduler.data_plane import describe
+from infini_dist.scheduler.lockstep import TuningError
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.ops import close_enough, generation
 from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.shapes import site_meta
 
 log = logging.getLogger("infini_dist")
-
-
-class TuningError(RuntimeError):
-    pass
 
 
 # Test hook: transforms this rank's medians before they are shared (inject timing noise).
@@ -197,7 +192,8 @@ class SiteRunner:
             error = None
         except Exception as exc:  # noqa: BLE001 - it compiled at the bucket bound: agreed below
             error = f"{type(exc).__name__}: {exc}"
-        if not self._agree_failures([chosen], {chosen.name: error}, plane, "precompile (count)"):
+        if not lockstep.agree_failures(self.settings, [chosen], {chosen.name: error}, plane,
+                                       "precompile (count)"):
             return self._native(ctx)
         return chosen
 
@@ -240,14 +236,15 @@ class SiteRunner:
                               f"config.tune_at_request_time is False; warm this shape up first "
                               f"(infini_dist.warmup or `infini-dist tune`)")
 
-        choices, meta, reference = self._agreed(plane, "reference run",
-                                                lambda: self.candidates(values, ctx))
+        choices, meta, reference = lockstep.agreed(s, plane, "reference run",
+                                                   lambda: self.candidates(values, ctx))
         names = [c.name for c in choices]
         if plane is not None:
             plane.agree(names, "choice list", "the set of choices")
         if record is not None:
             chosen = [c for c in choices if c.name == record["choice"]]
-            if chosen and not self._drop_failed(chosen, meta, ctx, plane, "precompile (hit)"):
+            if chosen and not lockstep.drop_failed(self.settings, chosen, meta, ctx, plane,
+                                                   "precompile (hit)"):
                 chosen = []
             if chosen:
                 log.debug("infini_dist: cache hit %s -> %s", key[:12], record["choice"])
@@ -257,110 +254,10 @@ class SiteRunner:
                         record["choice"])
         return self._benchmark(choices, values, reference, meta, ctx, plane, key)
 
-    def _data_timeout(self) -> float:
-        # Half the control timeout: a rank stuck in a collective still reaches the next
-        # control exchange before its peers there give up on it.
-        return self.settings.tuning_timeout_s / 2
-
-    def _agreed(self, plane, step: str, fn):
-        """fn() on every rank; a failure on any rank fails every rank. The failing rank
-        re-raises its own error (a TypeError where torch raises one), its peers a TuningError."""
-        own = None
-        try:
-            with data_plane.bounded(self._data_timeout(), step):
-                result = fn()
-        except Exception as error:  # noqa: BLE001 - agreed on below
-            own = error
-        errors = plane.all_gather(describe(own) if own else None, step) if plane else [None]
-        if own is not None:
-            raise own
-        failed = [(plane.ranks[r], e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            raise TuningError(f"infini_dist: tuning failed at step {step!r} on rank "
-                              f"{failed[0][0]}: {failed[0][1]}")
-        return result
-
-    def _drop_failed(self, choices, meta, ctx, plane, step) -> list[Choice]:
-        def precompile(choice):
-            try:
-                choice.precompile(meta, ctx)
-                return None
-            except Exception as error:  # any failure just removes the choice
-                return describe(error)
-        threads = min(self.settings.max_autotune_threads, max(1, len(choices)))
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            threads = 1  # the interpreter patches triton.language while a kernel runs
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            errors = dict(zip([c.name for c in choices], pool.map(precompile, choices)))
-        if threads > 1:
-            # A failure beside other compiles gets one more try alone: not every library's
-            # compile step is thread-safe, and a race must not cost the site a choice.
-            for choice in choices:
-                if errors[choice.name] is not None:
-                    first, errors[choice.name] = errors[choice.name], precompile(choice)
-                    if errors[choice.name] is None:
-                        log.warning("infini_dist: %s failed to compile beside other choices "
-                                    "(%s) and compiled alone", choice.name, first)
-        return self._agree_failures(choices, errors, plane, step)
-
-    def _agree_failures(self, choices, errors: dict, plane, step) -> list[Choice]:
-        gathered = plane.all_gather(errors, step) if plane is not None else [errors]
-        failed = {}
-        for rank, errs in enumerate(gathered):
-            for name, err in errs.items():
-                if err is None:
-                    continue
-                if DataPlaneError.__name__ in err:  # whichever rank reported it
-                    raise TuningError(f"infini_dist: tuning stopped at step {step!r}: the "
-                                      f"ranks' collectives went out of step (rank {rank}: "
-                                      f"{err}); the group's data plane cannot be trusted until "
-                                      f"it is rebuilt")
-                failed.setdefault(name, f"rank {rank}: {err}")
-        for name, err in failed.items():
-            if name == NATIVE:
-                raise TuningError(f"infini_dist: the native path failed at step {step!r} "
-                                  f"({err})")
-            (log.warning if self.settings.debug_mode else log.info)(
-                "infini_dist: dropping choice %s at %s: %s", name, step, err)
-        return [c for c in choices if c.name not in failed]
-
-    def _time(self, choices, values, ctx, plane) -> dict[str, float]:
-        """This rank's median per choice. On CUDA, under graph replay when every rank could
-        capture every choice (production decode replays graphs; eager timing would mostly
-        measure host launch overhead), else eagerly for all: one mode per site, agreed."""
-        s = self.settings
-        if ctx.device.type == "cuda" and s.benchmark_cuda_graphs:
-            medians = {}
-            for choice in choices:
-                if plane is not None:
-                    plane.barrier(f"graph {choice.name}")
-                graph, error = benchmark.capture(lambda: choice.run(values), ctx.device,
-                                                 s.benchmark_warmup)
-                errors = plane.all_gather(error, f"capture {choice.name}") if plane else [error]
-                if any(errors):
-                    log.info("infini_dist: timing eagerly, %s cannot be captured: %s",
-                             choice.name, next(e for e in errors if e))
-                    break
-                medians[choice.name] = benchmark.median(benchmark.time_graph(
-                    graph, ctx.device, s.benchmark_reps))
-                del graph
-            else:
-                return medians
-        medians = {}
-        for choice in choices:  # the exchange before each one lines the ranks up
-            step = f"time {choice.name}"
-            call, state = guarded(choice.run, values)
-            with data_plane.bounded(self._data_timeout(), step):
-                times = benchmark.time_reps(call, ctx.device, s.benchmark_warmup,
-                                            s.benchmark_reps)
-            if self._agree_failures([choice], {choice.name: state["error"]}, plane, step):
-                medians[choice.name] = benchmark.median(times)
-        return medians
-
     def _benchmark(self, choices, values, reference, meta, ctx, plane, key) -> Choice:
         s = self.settings
         started = time.perf_counter()
-        choices = self._drop_failed(choices, meta, ctx, plane, "precompile")
+        choices = lockstep.drop_failed(self.settings, choices, meta, ctx, plane, "precompile")
         precompile_s = time.perf_counter() - started
         survivors = []
         replicated = True
@@ -372,7 +269,7 @@ class SiteRunner:
                 plane.barrier(f"start {choice.name}")
             error, digest = None, None
             try:
-                with data_plane.bounded(self._data_timeout(), f"trial {choice.name}"):
+                with data_plane.bounded(lockstep.data_timeout(s), f"trial {choice.name}"):
                     out = choice.run(values)
                 wrong = [n for n in reference
                          if not close_enough(out[n], reference[n], computed_in)]
@@ -385,8 +282,8 @@ class SiteRunner:
                 digest = _digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
                 error = describe(exc)
-            if not self._agree_failures([choice], {choice.name: error}, plane,
-                                        f"trial {choice.name}"):
+            if not lockstep.agree_failures(s, [choice], {choice.name: error}, plane,
+                                           f"trial {choice.name}"):
                 continue
             # Where native gives every rank the same bits, a fused choice must too.
             digests = plane.all_gather(digest, f"digest {choice.name}") if plane else [digest]
@@ -396,9 +293,9 @@ class SiteRunner:
                 log.warning("infini_dist: dropping %s: outputs differ across ranks", choice.name)
                 continue
             survivors.append(choice)
-        medians = self._time(survivors, values, ctx, plane)
+        medians = lockstep.time_choices(self.settings, survivors, values, ctx, plane)
         if timing_hook is not None:
-            medians = self._agreed(plane, "vote", lambda: timing_hook(dict(medians)))
+            medians = lockstep.agreed(s, plane, "vote", lambda: timing_hook(dict(medians)))
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]
         worst = {n: max(m[n] for m in all_medians) for n in medians}
         survivors = [c for c in survivors if c.name in medians]
