@@ -193,8 +193,8 @@ class FusionScheduler:
     """Runs SubGraphs, fused through the engine where the heuristics allow, else node by node.
 
     Tuned decisions belong to the engine (in memory and on disk, shared by every scheduler);
-    this scheduler caches only its routing decisions, so `clear_cache` is local and safe to call
-    on any subset of ranks.
+    this scheduler caches only its routing decisions, so `clear_cache` is local; where every
+    call is agreed (agree_every_call) it is safe on any subset of ranks.
     """
 
     def __init__(self, config: FusionConfig | None = None):
