@@ -14,6 +14,9 @@ import types
 from dataclasses import dataclass
 
 FUSION_TYPES = ("epilogue", "prologue", "cross_subgraph")
+AUTO = "auto"  # agree_every_call: on for CPU tensors or TORCH_DISTRIBUTED_DEBUG=DETAIL
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def _positive_int(name, value):
@@ -57,6 +60,12 @@ def _fusion_types(name, value):
     return tuple(t for t in FUSION_TYPES if t in value)  # canonical order, no duplicates
 
 
+def _agree_mode(name, value):
+    if isinstance(value, bool) or value == AUTO:
+        return value
+    raise ValueError(f"{name} must be True, False or {AUTO!r}, got {value!r}")
+
+
 def _path(name, value):
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise ValueError(f"{name} must be a path, got {value!r}")
@@ -94,6 +103,7 @@ FLAGS = {
     "token_buckets": ((), _token_buckets),
     "max_token_bucket": (8192, _positive_int),
     "tune_at_request_time": (True, _bool),
+    "agree_every_call": (AUTO, _agree_mode),
 }
 
 
@@ -101,13 +111,16 @@ def parse_env(name: str, text: str):
     """Turn INFINI_DIST_<NAME>'s text into a valid value for the flag, or raise."""
     default, validate = FLAGS[name]
     text = text.strip()
-    if isinstance(default, bool):
+    if isinstance(default, bool) or default == AUTO:
         lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
+        if lowered in _TRUE_WORDS:
             return True
-        if lowered in ("0", "false", "no", "off"):
+        if lowered in _FALSE_WORDS:
             return False
-        raise ValueError(f"INFINI_DIST_{name.upper()}={text!r} is not a boolean")
+        if default == AUTO and lowered == AUTO:
+            return AUTO
+        raise ValueError(f"INFINI_DIST_{name.upper()}={text!r} is not a boolean"
+                         + (f" or {AUTO!r}" if default == AUTO else ""))
     try:
         if isinstance(default, int):
             return validate(name, int(text))
@@ -139,6 +152,7 @@ class Settings:
     token_buckets: tuple
     max_token_bucket: int
     tune_at_request_time: bool
+    agree_every_call: bool | str
 
     def decision_fields(self) -> dict:
         """The flags that change which choice is committed, hence part of the cache key."""

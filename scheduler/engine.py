@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import infini_dist
 from infini_dist.config import Settings
-from infini_dist.scheduler import benchmark, buckets, data_plane, lockstep, report
+from infini_dist.scheduler import benchmark, buckets, data_plane, every_call, lockstep, report
 from infini_dist.scheduler.cache import DECISIONS, versions
 from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMeta,
                                            generate_choices, native_choice, resolve_group,
@@ -78,6 +78,9 @@ class SiteRunner:
         self.has_collective = any(graph.nodes[a].op_type == "all_reduce" for a in site.anchors)
         self.group_name = graph.nodes[site.anchors[0]].attr("group_name")
         self._committed: dict[tuple, Choice] = {}  # exact local signature -> compiled choice
+        # Local signatures whose calls are agreed (agree_every_call) -> (key, on CUDA); empty
+        # otherwise, so the hot path pays one truth test when the flag is off.
+        self._call_keys: dict[tuple, tuple] = {}
         self._decided: dict[tuple, str] = {}  # bucket signature -> committed choice name
         self._lock = threading.Lock()
         self.last_tuning: dict | None = None  # set when this runner benchmarked
@@ -95,7 +98,15 @@ class SiteRunner:
                 choice = self._committed.get(local)
                 if choice is None:
                     return self._decide(values, group, local)
+        if self._call_keys:
+            self._agree_cached(local, group)
         return choice.run(values)
+
+    def _agree_cached(self, local: tuple, group) -> None:
+        key, on_cuda = self._call_keys.get(local, (None, False))
+        # Not while recorded into a CUDA graph: its replays have no host step to pair with.
+        if key is not None and not (on_cuda and torch.cuda.is_current_stream_capturing()):
+            every_call.agree_site(group, self.settings.tuning_timeout_s, key)
 
     # ---- deciding ----------------------------------------------------------------------------
     def _context(self, values: dict, group) -> RunContext:
@@ -135,16 +146,24 @@ class SiteRunner:
         plane = control_plane(group, self.settings.tuning_timeout_s) if distributed else None
         if plane is not None:
             ctx = dataclasses.replace(ctx, single_host=plane.single_host)
+        agreed = distributed and every_call.wanted(self.settings.agree_every_call, ctx.device)
         # One tuning at a time per plane, this call's run included: threads tuning different
         # sites would interleave their exchanges and collectives. Ranks that order the threads
         # differently fail the signature check on every rank instead.
         with plane.lock if plane is not None else contextlib.nullcontext():
+            if agreed:  # the same exchange as a cached call: a peer's hit pairs with this miss
+                every_call.agree_site(group, self.settings.tuning_timeout_s,
+                                      every_call.site_key(self.sub, values, None))
             # Off the caller's thread and stream: nothing made here can land in a CUDA-graph pool.
-            choice = run_aside(lambda: self._decide_aside(values, ctx, plane), ctx.device)
+            choice = run_aside(lambda: self._decide_aside(values, ctx, plane, agreed), ctx.device)
             self._committed[local] = choice
+            if agreed:
+                self._call_keys[local] = (every_call.site_key(self.sub, values, choice.name),
+                                          ctx.device.type == "cuda")
             return choice.run(values)
 
-    def _decide_aside(self, values: dict, ctx: RunContext, plane: ControlPlane | None) -> Choice:
+    def _decide_aside(self, values: dict, ctx: RunContext, plane: ControlPlane | None,
+                      agreed: bool) -> Choice:
         tokens = buckets.tokens_of(values, self.settings)
         bucket = (id(ctx.group),) + buckets.signature(values, tokens)
         # Every new exact signature is agreed, inside a decided bucket too: ranks whose counts
@@ -153,7 +172,8 @@ class SiteRunner:
                      "inputs": [(n, tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                                 else (n, repr(v)) for n, v in values.items()]}
         if plane is not None:
-            plane.agree(signature, "signature", "input shapes and dtypes")
+            with every_call.noting_cached_peers(agreed, self.settings.agree_every_call):
+                plane.agree(signature, "signature", "input shapes and dtypes")
         name = self._decided.get(bucket)
         if name is None:
             tuned = buckets.at_bound(values, tokens) if tokens else values

@@ -2,6 +2,9 @@
 on random ranks at a random tuning step. The processes live across trials (one run_ranks per
 world size), as a long job's would, so a fault that leaves state behind shows in later trials.
 
+One fault kind is a divergence after agreed calls (faults.diverge_and_record): some ranks call
+with a shape cached or new on them while the others repeat a cached one; every rank must raise.
+
 Counts, per world size: hangs (a rank's outcome later than tuning_timeout_s + slack, or a run
 that never finishes), divergent commits (ranks of one group ending differently: some committed,
 some not, or different choices) and wrong answers.
@@ -21,7 +24,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from faults import Fault, install, tune_and_record  # noqa: E402
+from faults import (DIVERGE_KINDS, STEPS, Fault, diverge_and_record, install,  # noqa: E402
+                    tune_and_record)
 from multirank import run_ranks  # noqa: E402
 
 TIMEOUT_S = 3.0
@@ -31,7 +35,10 @@ SLACK_S = 5.0
 def random_fault(rng: random.Random, size: int) -> Fault | None:
     if rng.random() < 0.2:
         return None
-    step = rng.choice(("precompile", "trial", "warmup", "rep", "vote"))
+    step = rng.choice(STEPS)
+    if step == "diverge":  # some ranks, never all, take the other shape
+        ranks = sorted(rng.sample(range(size), rng.randint(1, size - 1)))
+        return Fault(step, ranks, rng.choice(DIVERGE_KINDS), rep=rng.randint(1, 3))
     kind = "wrong" if step == "trial" and rng.random() < 0.3 else "raise"
     before = step in ("trial", "warmup", "rep") and kind == "raise" and rng.random() < 0.4
     ranks = sorted(rng.sample(range(size), rng.randint(1, size)))
@@ -56,13 +63,17 @@ def trial_loop(rank, world_size, trials, seed):
         DECISIONS.clear()
         row = None
         if rank in members:
-            undo = install(fault, warmup=1, group_rank=members.index(rank))
+            diverging = fault is not None and fault.step == "diverge"
+            undo = install(None if diverging else fault, warmup=1,
+                           group_rank=members.index(rank))
             try:
                 # Depth 1: fewer choices per trial, every step still there to fault.
                 with infini_dist.config.patch(tuning_timeout_s=TIMEOUT_S, benchmark_warmup=1,
                                               benchmark_reps=3, max_fusion_depth=1,
                                               cache_dir=os.path.join(base_dir, str(t))):
-                    row = tune_and_record(rank, group, members, infini_dist.config.snapshot())
+                    settings = infini_dist.config.snapshot()
+                    row = (diverge_and_record(rank, group, members.index(rank), settings, fault)
+                           if diverging else tune_and_record(rank, group, members, settings))
             finally:
                 undo()
         rows = [r for r in report.all_gather(row, f"trial {t}") if r is not None]
@@ -98,7 +109,11 @@ def summarize(summaries: list[dict]) -> dict:
             "failed_everywhere": sum(all(o != "ok" for o in s["outcomes"]) for s in summaries),
             "cache_invalid": sum(not s["cache_valid"] for s in summaries),
             "slowest_s": round(max((s["seconds"] for s in summaries), default=0.0), 2),
-            "faults": sum(s["fault"] != "None" for s in summaries)}
+            "faults": sum(s["fault"] != "None" for s in summaries),
+            "divergences": sum("divergence" in s["fault"] for s in summaries),
+            "divergences_caught": sum("divergence" in s["fault"] and
+                                      all(o == "RankMismatchError" for o in s["outcomes"])
+                                      for s in summaries)}
 
 
 def run(trials: int, seed: int = 0, world_sizes=(2, 3, 4)) -> dict:

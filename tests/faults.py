@@ -13,7 +13,9 @@ import torch
 from test_engine_consensus import ar_block_graph, inputs_for
 
 # Where a fault can strike. A runner's calls are: 1 = trial, 2..1+warmup = warm-up, then reps.
-STEPS = ("precompile", "trial", "warmup", "rep", "vote")
+# "diverge" strikes after tuning: see diverge_and_record.
+STEPS = ("precompile", "trial", "warmup", "rep", "vote", "diverge")
+DIVERGE_KINDS = ("hit/miss", "hit/hit")
 
 
 class Fault:
@@ -26,6 +28,9 @@ class Fault:
             before, rep
 
     def __repr__(self):
+        if self.step == "diverge":
+            return (f"{self.kind} divergence after {self.rep} agreed calls on ranks "
+                    f"{list(self.ranks)}")
         where = f"rep {self.rep}" if self.step == "rep" else self.step
         side = " before the collective" if self.before else ""
         return f"{self.kind} at {where}{side} on ranks {list(self.ranks)}"
@@ -135,6 +140,30 @@ def tune_and_record(rank, group, group_ranks, settings) -> dict:
         outcome, message = ("ok" if right else "WRONG"), decision.get("choice", "")
     except Exception as error:  # noqa: BLE001 - the outcome is what we record
         outcome, message = type(error).__name__, str(error)
+    return _row(rank, outcome, message, started, settings)
+
+
+def _row(rank, outcome, message, started, settings) -> dict:
     return {"rank": rank, "outcome": outcome, "message": message,
             "seconds": time.monotonic() - started,
             "cache_valid": cache_valid(settings.cache_dir)}
+
+
+def diverge_and_record(rank, group, group_rank, settings, fault: Fault) -> dict:
+    """Tune the block on `group` at 4 rows (also at 8 for 'hit/hit'), make `fault.rep` agreed
+    calls at 4 rows, then the ranks in `fault.ranks` call at 8 rows and the others at 4: a call
+    cached on some ranks and new ('hit/miss') or cached differently ('hit/hit') on others. The
+    right outcome is an error on every rank; a rank that returns from that call is WRONG."""
+    from infini_dist.scheduler import engine
+    executor = engine.GraphExecutor(ar_block_graph(), settings)
+    for rows in (4, 8) if fault.kind == "hit/hit" else (4,):
+        executor.run(inputs_for(rank, rows), group=group)
+    for _ in range(fault.rep):
+        executor.run(inputs_for(rank), group=group)
+    started = time.monotonic()
+    try:
+        executor.run(inputs_for(rank, 8 if group_rank in fault.ranks else 4), group=group)
+        outcome, message = "WRONG", "the divergent call returned"
+    except Exception as error:  # noqa: BLE001 - the outcome is what we record
+        outcome, message = type(error).__name__, str(error)
+    return _row(rank, outcome, message, started, settings)

@@ -24,14 +24,14 @@ def partial(rank, *shape, seed=0, dtype=torch.float32):
     return (torch.randn(*shape, generator=gen) * 3).to(dtype)
 
 
-def outcome(fn):
-    """(outcome text, seconds): 'ok' or the exception's type and first words."""
+def outcome(fn, chars=160):
+    """(outcome text, seconds): 'ok' or the exception's type and first `chars` characters."""
     started = time.perf_counter()
     try:
         fn()
         text = "ok"
     except Exception as error:  # noqa: BLE001 - the outcome is what we record
-        text = f"{type(error).__name__}: {str(error)[:160]}"
+        text = f"{type(error).__name__}: {str(error)[:chars]}"
     return text, round(time.perf_counter() - started, 2)
 
 

@@ -4,7 +4,7 @@ its nodes run one by one through their torch references, then run it.
 The decision (the *route*) is a pure function of the graph, the input shapes and dtypes, the
 FusionConfig and infini_dist.config. Those are per rank, so a collective graph's route is agreed
 across its group on a route-cache miss before any rank acts on it (fusion/agreement.py); cache
-hits add no exchange to the dispatch path.
+hits add an exchange only where every call is agreed (agree_every_call).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 import infini_dist
-from infini_dist.config import FLAGS, Settings
-from infini_dist.fusion.agreement import agree_route
-from infini_dist.scheduler import choices, engine
+from infini_dist.config import AUTO, FLAGS, Settings
+from infini_dist.fusion.agreement import agree_route, route_key
+from infini_dist.scheduler import choices, engine, every_call
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.control import ControlPlaneError, control_plane
 from infini_dist.scheduler.ir import SubGraph, as_names, is_anchor
@@ -65,6 +65,12 @@ def _check_whitelist(name: str, value: Any) -> tuple[str, ...] | None:
     return tuple(sorted(set(names)))
 
 
+def _check_agree_mode(name: str, value: Any):
+    if value is None or isinstance(value, bool) or value == AUTO:
+        return value
+    raise ValueError(f"FusionConfig.{name} must be None, True, False or {AUTO!r}, got {value!r}")
+
+
 _FIELD_CHECKS = {
     "enable_fusion": _check_bool,
     "enable_cache": _check_bool,
@@ -73,6 +79,7 @@ _FIELD_CHECKS = {
     "op_whitelist": _check_whitelist,
     "fallback_on_error": _check_bool,
     "debug_mode": _check_bool,
+    "agree_every_call": _check_agree_mode,
 }
 
 
@@ -91,6 +98,8 @@ class FusionConfig:
     fallback_on_error: when the fused path fails with a local error, warn and run unfused.
     debug_mode: log routing decisions, cache hits, tunings and fallbacks on the "infini_dist"
         logger (at WARNING, as the engine does in debug mode, so they show without setup).
+    agree_every_call: None follows infini_dist.config.agree_every_call; True, False or "auto"
+        overrides it for this scheduler's graphs (their engine sites included).
     """
     enable_fusion: bool = True
     enable_cache: bool = True
@@ -99,6 +108,7 @@ class FusionConfig:
     op_whitelist: tuple[str, ...] | None = None
     fallback_on_error: bool = True
     debug_mode: bool = False
+    agree_every_call: bool | str | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         check = _FIELD_CHECKS.get(name)
@@ -149,6 +159,8 @@ class _Entry(NamedTuple):
     settings: Settings
     executor: engine.GraphExecutor | None
     collective: bool
+    ranks: Any  # the group the route is agreed on
+    call_key: tuple | None  # set where every call is agreed: the route key to exchange
 
 
 def _global_flags() -> tuple:
@@ -181,8 +193,8 @@ class FusionScheduler:
     """Runs SubGraphs, fused through the engine where the heuristics allow, else node by node.
 
     Tuned decisions belong to the engine (in memory and on disk, shared by every scheduler);
-    this scheduler caches only its routing decisions, so `clear_cache` is local and safe to call
-    on any subset of ranks.
+    this scheduler caches only its routing decisions, so `clear_cache` is local; where every
+    call is agreed (agree_every_call) it is safe on any subset of ranks.
     """
 
     def __init__(self, config: FusionConfig | None = None):
@@ -276,7 +288,9 @@ class FusionScheduler:
                 base,
                 enable_custom_op_fusion=base.enable_custom_op_fusion and self.config.enable_fusion,
                 enable_disk_cache=base.enable_disk_cache and self.config.enable_cache,
-                debug_mode=base.debug_mode or self.config.debug_mode)
+                debug_mode=base.debug_mode or self.config.debug_mode,
+                agree_every_call=(base.agree_every_call if self.config.agree_every_call is None
+                                  else self.config.agree_every_call))
             self._derived[(flags, config_key)] = settings
         return settings
 
@@ -287,7 +301,8 @@ class FusionScheduler:
     def _entry(self, graph: SubGraph, inputs: dict, group) -> _Entry:
         flags, config_key = _global_flags(), self.config.key()
         signature = tuple((tuple(t.shape), t.dtype) for t in inputs.values())
-        key = (graph, signature, config_key, flags, op_registry.generation(), group)
+        device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
+        key = (graph, signature, config_key, flags, op_registry.generation(), group, device)
         caching = self.config.enable_cache
         if caching:
             entry = self._routes.get(key)
@@ -296,17 +311,24 @@ class FusionScheduler:
                 if self.config.debug_mode:  # signature() hashes the graph: not on the hot path
                     self._debug("cache hit for graph %s: %s", graph.signature()[:12],
                                 entry.route.path)
+                if entry.call_key is not None:
+                    agree_route(entry.call_key, entry.route.reason, entry.ranks,
+                                entry.settings.tuning_timeout_s)
                 return entry
         self._bump("misses")
         settings = self._settings(flags, config_key)
         route = choose_route(graph, tuple(shape for shape, _ in signature), self.config, settings)
         collective = any(node.op_type == "all_reduce" for node in graph.nodes)
         ranks = _collective_group(graph, group) if collective else None
+        call_key = None
         if collective and group_size(ranks) > 1:
-            agree_route(graph, signature, route.path, route.reason, ranks,
-                        settings.tuning_timeout_s)
+            agreed = every_call.wanted(settings.agree_every_call, device)
+            call_key = route_key(graph, signature, route.path)
+            with every_call.noting_cached_peers(agreed, settings.agree_every_call):
+                agree_route(call_key, route.reason, ranks, settings.tuning_timeout_s)
+            call_key = call_key if agreed else None
         executor = engine.executor_for(graph, settings) if route.path == FUSED else None
-        entry = _Entry(route, settings, executor, collective)
+        entry = _Entry(route, settings, executor, collective, ranks, call_key)
         if caching:
             with self._lock:
                 self._routes[key] = entry
