@@ -43,6 +43,14 @@ def inputs_of(values) -> list:
             for v in values]
 
 
+def _shown(inputs) -> str:
+    # Shapes read as torch prints them, (5, 16), so a message names them the way users write them.
+    if not isinstance(inputs, list):
+        return str(inputs)
+    return "[" + ", ".join(f"{tuple(v[0])} {v[1].removeprefix('torch.')}" if isinstance(v, list)
+                           else str(v) for v in inputs) + "]"
+
+
 def _as_entry(item) -> tuple:
     # A peer in another kind of exchange (its flag differs) sent something else: show it.
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], tuple) \
@@ -61,7 +69,7 @@ def agree_key(plane: ControlPlane, key: tuple, note: str, step: str, noun: str) 
     what = ("graphs" if any(k[0] != first[0] for k, _ in gathered) else
             "input shapes or dtypes" if any(k[1] != first[1] for k, _ in gathered) else noun)
     odd = [plane.ranks[i] for i, (k, _) in enumerate(gathered) if k != first]
-    detail = "; ".join(f"rank {plane.ranks[i]}: inputs {k[1]} -> {k[2] or UNDECIDED}"
+    detail = "; ".join(f"rank {plane.ranks[i]}: inputs {_shown(k[1])} -> {k[2] or UNDECIDED}"
                        + (f" ({why})" if why else "") for i, (k, why) in enumerate(gathered))
     raise RankMismatchError(f"infini_dist: ranks disagree on {what} at step {step!r}. "
                             f"Ranks {odd} differ from rank {plane.ranks[0]}. {detail}")

@@ -77,7 +77,7 @@ def test_cached_and_new_signatures_across_ranks_fail_everywhere_in_time(world, m
         for case in ("hit/miss", "hit/hit, different"):
             text, seconds = report[case]
             assert text.startswith("RankMismatchError"), (case, report)
-            assert "input shapes or dtypes" in text and "[64, 32]" in text and "[32, 32]" in text
+            assert "input shapes or dtypes" in text and "(64, 32)" in text and "(32, 32)" in text
             assert seconds < TIMEOUT_S, (case, report)  # no rank waited for a timeout
     for name in ("first", "last"):  # fused outputs bitwise identical across ranks
         assert all(torch.equal(outputs[name], results[0][1][name]) for _, outputs in results)
