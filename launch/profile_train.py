@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from infini_dist.launch import shutdown
 from infini_dist.launch.bench_model import setup
-from infini_dist.launch.bench_train import TrainDecoder, parse_args as train_args, train_curve
+from infini_dist.launch.bench_train import (TrainDecoder, decide_then_recompile,
+                                            parse_args as train_args, train_curve)
 
 CATEGORIES = (  # first match wins
     ("nccl", re.compile(r"nccl", re.I)),
@@ -84,7 +85,8 @@ def profile_variant(variant, args, device, dtype, control, out):
     import infini_dist.compile as idc
     torch._dynamo.reset()
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)
-    forward = idc.compile_model(model) if variant == "infini_dist" else torch.compile(model)
+    forward = decide_then_recompile(model, args.tokens[0], args, device, dtype) \
+        if variant == "infini_dist" else torch.compile(model)
     row = train_curve(model, forward, args.tokens[0], args, device, dtype, control)
     x = torch.randn(1, args.tokens[0], args.model.hidden, device=device).to(dtype)
     target = torch.randn(1, args.tokens[0], args.model.hidden, device=device)

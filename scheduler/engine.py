@@ -97,6 +97,19 @@ class SiteRunner:
                     return self._decide(values, group, local)
         return choice.run(values)
 
+    def decided(self, values: dict, group=None) -> Choice | None:
+        """The choice committed in this process for the token bucket of these inputs, if any:
+        no communication, and shapes are all it reads (fake tensors do)."""
+        values = {name: values[name] for name in self.inputs}
+        group = resolve_group(self.group_name, group)
+        tokens = buckets.tokens_of(values, self.settings)
+        name = self._decided.get((id(group),) + buckets.signature(values, tokens))
+        return next((c for c in self._committed.values() if c.name == name), None)
+
+    def decided_buckets(self) -> dict:
+        """Bucket signature -> committed choice name, for the buckets decided in this process."""
+        return dict(self._decided)
+
     # ---- deciding ----------------------------------------------------------------------------
     def _context(self, values: dict, group) -> RunContext:
         device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)),
