@@ -13,11 +13,11 @@ for backward) and the backward graph the input-gradient all_reduces with their e
 
 One step: forward over `tokens` tokens (batch 1), MSE against a fixed replicated target,
 backward, AdamW. Per tokens-per-step and variant (inductor: torch.compile(model); infini_dist:
-compile_model(model), one forward and backward to decide every site, then compiled again so
-that the sites decided native stay Inductor's code), a fresh model with the same weights trains --steps steps; after --warmup
-steps (compile and tuning) each step is timed, median per rank, max over ranks. The two loss
-curves must agree within --tol (bf16 noise on GPU); exit status 1 if they do not. Writes the
-table on stdout and results.json + table.md under --out.
+compile_model(model), after rounds of one forward and backward that decide every site, so that
+sites decided native stay Inductor's code), a fresh model with the same weights trains --steps
+steps; after --warmup steps (compile and tuning) each step is timed, median per rank, max over
+ranks. The two loss curves must agree within --tol (bf16 noise on GPU); exit status 1 if they
+do not. Writes the table on stdout and results.json + table.md under --out.
 """
 
 from __future__ import annotations

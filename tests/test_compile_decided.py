@@ -4,18 +4,12 @@ decides in turn). 2 gloo ranks; the timing hook fixes who wins."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from multirank import run_ranks
-
-EPS = 1e-6
-
-
-def _slow_fused(medians):
-    return {n: t * (1.0 if n == "native" else 1e3) for n, t in medians.items()}
+from test_compile_tp import _ar, _own_inductor_cache
+from test_native import EPS, _slow_fused
 
 
 def _bare_fastest(medians):
@@ -58,19 +52,17 @@ def _compile_and_run(block, args):
 
 def recompile_rank(rank, world_size):
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
     import infini_dist
     from infini_dist.compile.runtime_op import subgraph_from_json
     from infini_dist.scheduler import engine
     from infini_dist.scheduler.choices import register_algorithm
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["INDUCTOR_CACHE_BASE"],
-                                                         f"rank{rank}")
-    group_name = dist.group.WORLD.group_name
+    _own_inductor_cache(rank)
+    group = dist.group.WORLD.group_name
 
     def block(x, residual, weight):
-        h = funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name)) + residual
+        h = _ar(x, group) + residual
         return F.rms_norm(h, (32,), weight, EPS), h
 
     def inputs(rows):  # rows differ per scenario: each its own token bucket, decided afresh
@@ -78,12 +70,14 @@ def recompile_rank(rank, world_size):
         return (torch.randn(rows, 32, generator=own), torch.randn(rows, 32, generator=shared),
                 torch.rand(32, generator=shared) + 0.5)
 
-    result = {}
+    from infini_dist.compile.passes import FUSION_PASS
+    result = {"uuid_before": FUSION_PASS.uuid()}
     try:
         with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
             engine.timing_hook = _slow_fused
             args = inputs(4)
             result["native"] = [_compile_and_run(block, args) for _ in range(3)]
+            result["uuid_after"] = FUSION_PASS.uuid()  # FX graph cache: graphs kept apart
             result["native_eager"] = block(*args)
             register_algorithm("all_reduce", "cpu", _bare_algorithm())
             engine.timing_hook = _bare_fastest
@@ -108,6 +102,7 @@ def test_recompiled_sites_follow_their_decisions(tmp_path):
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "INDUCTOR_CACHE_BASE": str(tmp_path / "ind")}
     r0, r1 = run_ranks(recompile_rank, 2, env=env, timeout=400)
     for r in (r0, r1):
+        assert r["uuid_before"] != r["uuid_after"]
         # native wins: the whole site first, its all_reduce alone next (native again), then
         # nothing of ours: the graph is Inductor's own.
         counts = [(sites, native, ops) for _, sites, native, ops in r["native"]]

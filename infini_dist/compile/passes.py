@@ -12,7 +12,9 @@ Replacement:
 
 The engine turns that SubGraph into its choices (fused kernels at each depth, and `native`:
 NCCL + the epilogue as Inductor compiles it) and commits the fastest across the group at run
-time, native unless a fused choice beats it by `fusion_speedup_threshold`.
+time, native unless a fused choice beats it by `fusion_speedup_threshold`. A graph compiled after
+its sites decided in this process follows the decisions (compile/decided.py): a site decided
+native is left as it is, one decided native or fusing nothing becomes its collective alone.
 """
 
 from __future__ import annotations
