@@ -103,12 +103,12 @@ class SiteRunner:
         values = {name: values[name] for name in self.inputs}
         group = resolve_group(self.group_name, group)
         tokens = buckets.tokens_of(values, self.settings)
-        name = self._decided.get((id(group),) + buckets.signature(values, tokens))
-        return next((c for c in self._committed.values() if c.name == name), None)
+        return self.decided_buckets().get((id(group),) + buckets.signature(values, tokens))
 
     def decided_buckets(self) -> dict:
-        """Bucket signature -> committed choice name, for the buckets decided in this process."""
-        return dict(self._decided)
+        """Bucket signature -> the choice committed for it, per bucket decided in this process."""
+        by_name = {choice.name: choice for choice in self._committed.values()}
+        return {bucket: by_name.get(name) for bucket, name in self._decided.items()}
 
     # ---- deciding ----------------------------------------------------------------------------
     def _context(self, values: dict, group) -> RunContext:

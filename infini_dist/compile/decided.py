@@ -63,9 +63,11 @@ def fuses_nothing(choice: Choice | None) -> bool:
 
 
 def state() -> str:
-    """Digest of the decisions made so far: the pass's output depends on them, so it is part of
-    the pass's uuid (Inductor's FX graph cache keeps graphs compiled before and after apart)."""
-    parts = sorted((text, sorted(map(repr, runner.decided_buckets().items())))
+    """Digest of the decisions that change what the pass writes (native, or fusing nothing):
+    part of the pass's uuid, so Inductor's FX graph cache keeps graphs compiled before and after
+    them apart. Fused decisions change nothing: graphs cached before them still hit."""
+    parts = sorted((text, repr(bucket), choice.name)
                    for text, executor in runtime_op.known_executors()
-                   for runner in executor.site_runners())
+                   for runner in executor.site_runners()
+                   for bucket, choice in runner.decided_buckets().items() if fuses_nothing(choice))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
