@@ -13,10 +13,11 @@ for backward) and the backward graph the input-gradient all_reduces with their e
 
 One step: forward over `tokens` tokens (batch 1), MSE against a fixed replicated target,
 backward, AdamW. Per tokens-per-step and variant (inductor: torch.compile(model); infini_dist:
-compile_model(model)), a fresh model with the same weights trains --steps steps; after --warmup
-steps (compile and tuning) each step is timed, median per rank, max over ranks. The two loss
-curves must agree within --tol (bf16 noise on GPU); exit status 1 if they do not. Writes the
-table on stdout and results.json + table.md under --out.
+compile_model(model), after rounds of one forward and backward that decide every site, so that
+sites decided native stay Inductor's code), a fresh model with the same weights trains --steps
+steps; after --warmup steps (compile and tuning) each step is timed, median per rank, max over
+ranks. The two loss curves must agree within --tol (bf16 noise on GPU); exit status 1 if they
+do not. Writes the table on stdout and results.json + table.md under --out.
 """
 
 from __future__ import annotations
@@ -78,11 +79,31 @@ class TrainDecoder(Decoder):
         return _CopyToRanks.apply(h, self.group_name)
 
 
-def train_curve(model, forward, tokens: int, args, device, dtype, control) -> dict:
-    """Loss per step and the median timed step (max over ranks)."""
+def step_data(tokens: int, args, device, dtype) -> tuple:
+    """(input, target) of every step: replicated, fixed per tokens-per-step."""
     shared = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(1, tokens, args.model.hidden, generator=shared, device=device).to(dtype)
-    target = torch.randn(1, tokens, args.model.hidden, generator=shared, device=device)
+    return x, torch.randn(1, tokens, args.model.hidden, generator=shared, device=device)
+
+
+def decide_then_recompile(model, tokens: int, args, device, dtype, rounds: int = 2):
+    """Per round: compile with the pass, run one forward and backward (every site decides; no
+    optimizer step, so the weights stay those of the other variant), forget the compiled code.
+    Then compile for good: sites decided native are Inductor's code, and a site decided native
+    or fusing nothing becomes its collective alone, which the next round decides
+    (compile/decided.py)."""
+    import infini_dist.compile as idc
+    x, target = step_data(tokens, args, device, dtype)
+    for _ in range(rounds):
+        torch.nn.functional.mse_loss(idc.compile_model(model)(x).float(), target).backward()
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+    return idc.compile_model(model)
+
+
+def train_curve(model, forward, tokens: int, args, device, dtype, control) -> dict:
+    """Loss per step and the median timed step (max over ranks)."""
+    x, target = step_data(tokens, args, device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, times = [], []
     for step in range(args.steps):
@@ -106,10 +127,14 @@ def run_variant(variant: str, tokens: int, args, device, dtype, control) -> dict
     import infini_dist.compile as idc
     torch._dynamo.reset()
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)  # seeded: same weights
-    sites_before = idc.stats["sites"]
-    forward = idc.compile_model(model) if variant == "infini_dist" else torch.compile(model)
+    if variant == "infini_dist":
+        forward = decide_then_recompile(model, tokens, args, device, dtype)
+    else:
+        forward = torch.compile(model)
+    sites_before, native_before = idc.stats["sites"], idc.stats["native_sites"]
     row = train_curve(model, forward, tokens, args, device, dtype, control)
     row.update(variant=variant, tokens=tokens, sites=idc.stats["sites"] - sites_before,
+               native_sites=idc.stats["native_sites"] - native_before,
                site_ops=sorted({d["op"] for d in idc.decisions()}) if variant == "infini_dist"
                else [])  # the IR ops of each kind of site that ran, forward and backward
     return row
@@ -128,11 +153,12 @@ def compare(rows: list, tol: float) -> list:
 
 
 def table(rows: list, verdicts: list) -> str:
-    lines = ["| tokens/step | variant | step ms | tokens/s | sites | final loss |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| tokens/step | variant | step ms | tokens/s | sites | left native | final loss |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['variant']} | {r['step_ms']:.2f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['sites']} | {r['losses'][-1]:.5f} |")
+                     f"{r['tokens_per_s']:.0f} | {r['sites']} | {r['native_sites']} | "
+                     f"{r['losses'][-1]:.5f} |")
     lines += ["", "| tokens/step | speedup (inductor / infini_dist) | loss curve max rel diff | ok |",
               "|---|---|---|---|"]
     for v in verdicts:

@@ -108,6 +108,19 @@ class SiteRunner:
         if key is not None and not (on_cuda and torch.cuda.is_current_stream_capturing()):
             every_call.agree_site(group, self.settings.tuning_timeout_s, key)
 
+    def decided(self, values: dict, group=None) -> Choice | None:
+        """The choice committed in this process for the token bucket of these inputs, if any:
+        no communication, and shapes are all it reads (fake tensors do)."""
+        values = {name: values[name] for name in self.inputs}
+        group = resolve_group(self.group_name, group)
+        tokens = buckets.tokens_of(values, self.settings)
+        return self.decided_buckets().get((id(group),) + buckets.signature(values, tokens))
+
+    def decided_buckets(self) -> dict:
+        """Bucket signature -> the choice committed for it, per bucket decided in this process."""
+        by_name = {choice.name: choice for choice in self._committed.values()}
+        return {bucket: by_name.get(name) for bucket, name in self._decided.items()}
+
     # ---- deciding ----------------------------------------------------------------------------
     def _context(self, values: dict, group) -> RunContext:
         device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)),

@@ -12,12 +12,15 @@ Replacement:
 
 The engine turns that SubGraph into its choices (fused kernels at each depth, and `native`:
 NCCL + the epilogue as Inductor compiles it) and commits the fastest across the group at run
-time, native unless a fused choice beats it by `fusion_speedup_threshold`.
+time, native unless a fused choice beats it by `fusion_speedup_threshold`. A graph compiled after
+its sites decided in this process follows the decisions (compile/decided.py): a site decided
+native is left as it is, one decided native or fusing nothing becomes its collective alone.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -29,13 +32,14 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import infini_dist
-from infini_dist.compile import matching, runtime_op
+from infini_dist.compile import decided, matching, runtime_op
 from infini_dist.config import Settings
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
 log = logging.getLogger("infini_dist")
 
-# What the pass did in this process: "graphs" seen, "sites" replaced.
+# What the pass did in this process: "graphs" seen, "sites" replaced, "native_sites" left as
+# Inductor's code (decided native before the graph compiled: compile/decided.py).
 stats: collections.Counter = collections.Counter()
 last_sites: list = []  # the SubGraph text of each site the latest call replaced
 
@@ -82,9 +86,8 @@ def to_subgraph(site: matching.Site) -> tuple[SubGraph, list, list]:
     return sub, inputs, outputs
 
 
-def _replace(graph: fx.Graph, site: matching.Site, g: matching.GraphIndex) -> str:
-    sub, inputs, outputs = to_subgraph(site)
-    text = sub.canonical()
+def _replace(graph: fx.Graph, site: matching.Site, g: matching.GraphIndex, text: str,
+             inputs: list, outputs: list) -> None:
     region = site.nodes
     anchor = next(iter(site.anchors[0].nodes - site.anchors[0].projections))
     with graph.inserting_after(matching.insertion_point(g, site)):
@@ -100,7 +103,6 @@ def _replace(graph: fx.Graph, site: matching.Site, g: matching.GraphIndex) -> st
         previous = item
     for node in sorted(region, key=g.order.get, reverse=True):
         graph.erase_node(node)
-    return text
 
 
 def _fake_outputs(inputs: list, text: str) -> list:
@@ -113,6 +115,25 @@ def _fake_outputs(inputs: list, text: str) -> list:
         values = [mode.from_tensor(v) for v in values]
     with mode:
         return list(torch.ops.infini_dist.fused_site.default(values, text))
+
+
+def _known_site(index: matching.GraphIndex, anchor: matching.IROp, settings: Settings):
+    """(site, text, inputs, outputs) to replace around `anchor`, its collective alone where the
+    whole site is decided native or fuses nothing (compile/decided.py); text None: decided
+    native, leave it to Inductor."""
+    site = matching.find_site(index, anchor, settings)
+    sub, inputs, outputs = to_subgraph(site)
+    choice = decided.known_choice(sub.canonical(), inputs, settings)
+    if decided.fuses_nothing(choice) and len(site.ops) > 1:
+        site = matching.find_site(index, anchor, dataclasses.replace(
+            settings, custom_op_fusion_types=(), max_fusion_depth=0))
+        sub, inputs, outputs = to_subgraph(site)
+        choice = decided.known_choice(sub.canonical(), inputs, settings)
+    if decided.is_native(choice):
+        log.info("infini_dist: site %s is decided native; left to Inductor",
+                 _summary(sub.canonical()))
+        return site, None, inputs, outputs
+    return site, sub.canonical(), inputs, outputs
 
 
 def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
@@ -137,7 +158,13 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
         if found is None:
             break
         index = matching.GraphIndex(graph, custom)
-        replaced.append(_replace(graph, matching.find_site(index, found, settings), index))
+        site, text, inputs, outputs = _known_site(index, found, settings)
+        if text is None:
+            skipped.add(node)  # Inductor's own code: no dispatch, no fusion boundary
+            stats["native_sites"] += 1
+            continue
+        _replace(graph, site, index, text, inputs, outputs)
+        replaced.append(text)
     if replaced:
         graph.lint()
         stats["sites"] += len(replaced)
@@ -162,7 +189,7 @@ class FusionPass(CustomGraphPass):
     def uuid(self) -> str:
         flags = {name: getattr(infini_dist.config, name) for name in _UUID_FLAGS}
         payload = repr((infini_dist.__version__, _source_hash(), sorted(flags.items()),
-                        sorted(matching.anchor_names())))
+                        sorted(matching.anchor_names()), decided.state()))
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def __repr__(self):

@@ -75,6 +75,16 @@ def _executor(text: str):
     return executor
 
 
+def known_executor(text: str, settings):
+    """The executor of site `text` under `settings` if one ran in this process, else None."""
+    return _EXECUTORS.get((text, settings, op_registry.generation()))
+
+
+def known_executors() -> list:
+    """(site text, executor) for every compiled site that ran in this process."""
+    return [(key[0], executor) for key, executor in list(_EXECUTORS.items())]
+
+
 def _unaliased(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous outputs that share memory with no input and no other output.
 

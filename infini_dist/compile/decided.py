@@ -1,0 +1,73 @@
+"""What the pass does with a site whose decision is already known when its graph compiles.
+
+A site that commits `native` runs NCCL and the epilogue as Inductor compiles it, but inside our
+custom op: the op's dispatch costs host time (a host-bound training forward leaves the GPU idle
+for it: 150-450 us per site at 2048 tokens on 2xH200, docs/benchmarks.md), and the op boundary
+keeps Inductor from fusing the epilogue with its neighbours. A site that commits a bare
+collective (our all-reduce, nothing fused) runs its chains in eager torch, one kernel per op,
+where Inductor would fuse them. Decisions are made at run time, so the pass cannot know them
+when it first compiles a graph; when a graph compiles again in the same process (after a warm-up
+step: torch._dynamo.reset() and compile again), the pass
+
+  - leaves a site decided native as Inductor's own code,
+  - replaces only the collective of a site decided native or bare, if the site has chains: that
+    bare site decides at run time (our all-reduce or NCCL) and its chains are Inductor's. Decided
+    native too, it is left to Inductor at the next compile.
+
+Only this process's decisions count: they were agreed across each site's group, so every rank
+compiles the same graph (a decision-cache file may exist on one host only, and ranks compiling
+different graphs would wait on each other's collectives).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.fx as fx
+
+from infini_dist.compile import runtime_op
+from infini_dist.config import Settings
+from infini_dist.scheduler.choices import NATIVE, Choice
+
+
+def _example(node) -> torch.Tensor | None:
+    """The node's fake value, where every dim is a plain int (a symbolic token count has no
+    bucket yet)."""
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in value.shape):
+        return value
+    return None
+
+
+def known_choice(text: str, inputs: list, settings: Settings) -> Choice | None:
+    """The choice site `text` (a single site), read from graph values `inputs`, committed for
+    their token bucket in this process, or None."""
+    executor = runtime_op.known_executor(text, settings)
+    values = [_example(n) for n in inputs]
+    if executor is None or any(v is None for v in values):
+        return None
+    runners = executor.site_runners()
+    if len(runners) != 1:
+        return None
+    return runners[0].decided(dict(zip(executor.graph.input_names, values)))
+
+
+def is_native(choice: Choice | None) -> bool:
+    return choice is not None and choice.name == NATIVE
+
+
+def fuses_nothing(choice: Choice | None) -> bool:
+    """Native, or a collective of ours with every other op of the site run in eager torch."""
+    return choice is not None and (choice.span is None or not choice.span.fuses_anything)
+
+
+def state() -> str:
+    """Digest of the decisions that change what the pass writes (native, or fusing nothing):
+    part of the pass's uuid, so Inductor's FX graph cache keeps graphs compiled before and after
+    them apart. Fused decisions change nothing: graphs cached before them still hit."""
+    parts = sorted((text, repr(bucket), choice.name)
+                   for text, executor in runtime_op.known_executors()
+                   for runner in executor.site_runners()
+                   for bucket, choice in runner.decided_buckets().items() if fuses_nothing(choice))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
