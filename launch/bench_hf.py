@@ -187,6 +187,23 @@ def note_cudagraphs(row: dict, watch: CudagraphWatch, bench: Bench, args) -> Non
               f" its time is not a graph replay's\n", flush=True)
 
 
+def profile_variants(bench: Bench, steps: dict, family: str, shape: Shape, args) -> dict:
+    """Interleaved timing of `steps` (step_timing.py), and with --profile a profiler view of a
+    decode step of each (traces under --out from rank 0). Each variant's `timing_graphs` counts
+    the Dynamo graphs compiled meanwhile: anything but 0 means the timing ran other code."""
+    from torch._dynamo.utils import counters
+    graphs = counters["stats"]["unique_graphs"]
+    timings = time_interleaved(bench, steps, args.rounds, args.round_calls)
+    if args.profile and shape.kind == "decode":
+        for variant, step in steps.items():
+            trace = os.path.join(args.out, f"trace_{family}_{shape.name}_{variant}.json"
+                                 .replace(" ", "_")) if dist.get_rank() == 0 else None
+            timings[variant]["profile"] = profile_step(step, 3, bench.cuda, trace)
+    for fields in timings.values():
+        fields["timing_graphs"] = int(bench.worst(counters["stats"]["unique_graphs"] - graphs))
+    return timings
+
+
 def bench_family(bench: Bench, family: str, args, device, dtype, control) -> list[dict]:
     import infini_dist.compile as idc
     begin = time.perf_counter()
@@ -208,18 +225,14 @@ def bench_family(bench: Bench, family: str, args, device, dtype, control) -> lis
                 stack.enter_context(watch)
             calls = shape_calls(model, compiled, watches, shape, args, device)
             shape_rows = run_shape(bench, shape, calls)
-            # The compiled variants again, interleaved in rounds: the numbers compared
+            # The compiled variants again, interleaved in rounds: the numbers compared. Under
+            # no_grad as their first calls were: grad mode is guarded, a change recompiles.
             timed = [r["variant"] for r in shape_rows if r["variant"] in compiled
                      and "median_us" in r]
             if timed:
-                steps = {v: calls[v] for v in timed}
-                interleaved = time_interleaved(bench, steps, args.rounds, args.round_calls)
-                if args.profile and shape.kind == "decode":
-                    for v in timed:
-                        trace = os.path.join(args.out, f"trace_{family}_{shape.name}_{v}.json"
-                                             .replace(" ", "_")) if dist.get_rank() == 0 \
-                            else None
-                        interleaved[v]["profile"] = profile_step(steps[v], 3, bench.cuda, trace)
+                with torch.no_grad():
+                    interleaved = profile_variants(bench, {v: calls[v] for v in timed}, family,
+                                                   shape, args)
         for row in shape_rows:
             row["family"] = family
             if row["variant"] in watches:

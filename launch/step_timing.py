@@ -149,8 +149,8 @@ def profile_step(fn, steps: int, cuda: bool, trace_path: str | None = None) -> d
             torch.cuda.synchronize()
     averages = prof.key_averages()
 
-    def count(name: str) -> float:
-        return sum(e.count for e in averages if e.key == name) / steps
+    def count(name: str) -> float:  # the CUDA runtime's names may carry a version suffix
+        return sum(e.count for e in averages if e.key.startswith(name)) / steps
     kernel_us = sum(getattr(e, "self_device_time_total", 0.0) for e in averages
                     if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
     top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
