@@ -26,7 +26,10 @@ on CPU. Each is timed over --iters calls after its first call (compile, tuning) 
 in the loop: median per rank, max over ranks. Every compiled row says whether its CUDA graphs
 replayed ("cudagraphs", from torch's cudagraph-skip counter and reasons, and whether the last
 timed call ran a recorded graph); a reduce-overhead row on GPU without replays gets a loud
-warning, since its time then is not a graph replay's. The error is the relative L2 of the
+warning, since its time then is not a graph replay's. The compiled variants are then timed again in
+--rounds interleaved rounds of --round-calls calls (launch/step_timing.py: per-call, host and
+wall time, spread, graphs per step; --profile adds a profiler view of a decode step): those are
+the times the table compares. The error is the relative L2 of the
 logits against eager's, max over ranks. A compile or run failure becomes a table entry.
 
 Writes a table per family on rank 0, results.json and latency_<family>.png under --out. Exit

@@ -10,13 +10,15 @@ ours, plain, ...: the order flips every round), and per variant we keep:
                the GPU waits for the host where the host is slower); median of every call of
                every round, with p10 / p90 and the spread of the round medians
   host_us      time for the call to return on the host (no sync): the host's cost per step
-  gpu_us       the step's recorded graphs replayed back to back between two events: the GPU's
-               cost per step with no host in the way
+  wall_us      a round's wall time per call, synchronised at its end
   graphs       how many recorded graphs one step launches (a site that split the step's
                graph would show here as more graphs for ours than for plain)
 
 Every number is max over ranks. `profile_step` adds a torch.profiler view of a few steps: the
-host ops that cost the most, and the GPU kernel time per step.
+GPU's kernel time per step (its busy time, with no host in the way), graph launches, and the
+host ops that cost the most. (Replaying a tree's recorded graphs directly would time the GPU
+alone too, but is wrong: Inductor frees a graph's input buffer inside the graph once read, and
+only the tree's own run copies the input back in; replays read garbage token ids.)
 """
 
 from __future__ import annotations
@@ -69,20 +71,6 @@ def _time_round(fn, calls: int, cuda: bool) -> tuple[list[float], list[float], f
     return timed, host, wall
 
 
-def _replay_us(graphs: list, iters: int) -> float:
-    """GPU time of one step: its graphs replayed back to back, `iters` times."""
-    for graph in graphs:  # warm
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        for graph in graphs:
-            graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
 def time_interleaved(bench, calls: dict, rounds: int, per_round: int) -> dict:
     """name -> timing fields (see the module doc) for each call in `calls`, max over ranks.
 
@@ -94,7 +82,7 @@ def time_interleaved(bench, calls: dict, rounds: int, per_round: int) -> dict:
     host = {n: [] for n in names}
     walls = {n: [] for n in names}
     round_medians = {n: [] for n in names}
-    gpu, graphs = {}, {}
+    graphs = {}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             dist.barrier(group=bench.control)
@@ -104,14 +92,10 @@ def time_interleaved(bench, calls: dict, rounds: int, per_round: int) -> dict:
             walls[name].append(w)
             round_medians[name].append(statistics.median(t))
     for name in names:
-        if bench.cuda:  # the last call of the name's last turn left its step in the tree
+        if bench.cuda:  # one more step of the name's own: the tree's path is that step's
             calls[name]()
             torch.cuda.synchronize()
-            step = step_graphs(bench.device)
-            graphs[name] = len(step)
-            dist.barrier(group=bench.control)
-            # Replaying the graphs of a TP step runs its collectives: every rank must replay.
-            gpu[name] = _replay_us(step, per_round) if step else float("nan")
+            graphs[name] = len(step_graphs(bench.device))
     result = {}
     for name in names:
         fields = {
@@ -122,8 +106,6 @@ def time_interleaved(bench, calls: dict, rounds: int, per_round: int) -> dict:
             "host_us": statistics.median(host[name]),
             "wall_us": statistics.median(walls[name]),
         }
-        if name in gpu:
-            fields["gpu_us"] = gpu[name]
         result[name] = {k: bench.worst(v) for k, v in fields.items()}
         if name in graphs:
             result[name]["graphs_per_step"] = int(bench.worst(graphs[name]))
@@ -167,15 +149,15 @@ def timing_lines(rows: list[dict], shapes) -> list[str]:
     """The interleaved timings of the compiled variants, one line per shape and variant, and
     each profiled step's view."""
     lines = ["", "interleaved timing (us per step, max over ranks): call = events around each "
-             "call (p10-p90, spread of round medians), host = call returns, gpu = the step's "
-             "graphs replayed back to back",
+             "call (p10-p90, spread of round medians), host = call returns, wall = per call "
+             "with a sync per round, kernels = GPU kernel time per step (profiler, rank 0)",
              f"{'shape':>14s} {'variant':12s} {'call':>8s} {'p10-p90':>15s} {'spread':>6s} "
-             f"{'host':>8s} {'wall':>8s} {'gpu':>8s} {'graphs':>6s}"]
+             f"{'host':>8s} {'wall':>8s} {'kernels':>8s} {'graphs':>6s}"]
     for shape in shapes:
         for row in rows:
             if row["shape"] != shape.name or "call_us" not in row:
                 continue
-            gpu = row.get("gpu_us")
+            gpu = row.get("profile", {}).get("gpu_kernel_us_per_step")
             lines.append(
                 f"{shape.name:>14s} {row['variant']:12s} {row['call_us']:8.1f} "
                 f"{row['call_p10_us']:7.1f}-{row['call_p90_us']:<7.1f} "
