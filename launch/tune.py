@@ -21,6 +21,7 @@ the config only, not on the weights: a served checkpoint of that config finds th
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -61,12 +62,13 @@ def parse_args(argv=None):
 def hf_config(args):
     """The config --hf names: a family sized by the flags, or one read from a path."""
     from infini_dist.launch import bench_hf
+    from infini_dist.scheduler import buckets
     if args.hf in bench_hf.FAMILIES:
+        longest = max(args.tokens or buckets.bounds(infini_dist.config.snapshot()))
         sizes = argparse.Namespace(hidden=args.hidden, mlp=args.mlp, heads=args.heads,
                                    kv_heads=args.kv_heads, layers=args.layers, vocab=args.vocab,
-                                   context=max(args.tokens or [1]), prefill=[])
+                                   context=longest, prefill=[])
         return bench_hf.make_config(args.hf, sizes)
-    import os
     from transformers import AutoConfig
     if not os.path.exists(args.hf):
         raise SystemExit(f"infini-dist tune: --hf {args.hf!r} is neither a family "

@@ -131,6 +131,10 @@ class InductorNativeChoice(Choice):
         return {name: env[name] for name in self.outputs}
 
     def _epilogue(self, values) -> tuple:
+        # A site may read a graph input itself (the residual); where the user marked it with
+        # torch._dynamo.mark_dynamic, the mark would fail this compile (the epilogue ties the
+        # marked dim to an unmarked one: ConstraintViolationError). A detached alias has none.
+        values = [v.detach() if hasattr(v, "_dynamo_dynamic_indices") else v for v in values]
         shapes = tuple(v.shape for v in values)
         # The site runs inside a compiled graph (no autograd of its own) and is tuned on a
         # no-grad thread: one grad mode everywhere, or Dynamo's guards recompile per mode.
