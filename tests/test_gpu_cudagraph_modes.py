@@ -110,7 +110,9 @@ def _llama_steps(report, rank, device, path):
     from infini_dist.launch.bench_hf import check_sharded, tp_load_kwargs
     # transformers reads the TP size and this rank's device from torchrun's variables; without
     # them it loaded the model whole on every rank, with no all_reduce to fuse (0 sites).
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    import torch.distributed as dist
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(dist.get_world_size()))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **tp_load_kwargs())
     check_sharded(model)
     model.to(device).eval()  # transformers 5.17 leaves what the TP plan does not shard on CPU
