@@ -303,8 +303,10 @@ def parse_args(argv=None):
     if set(requested) - set(VARIANTS) or not args.variants:
         parser.error(f"--variants: choose among {','.join(VARIANTS)}, got {requested}")
     args.batches, args.prefill = _ints(args.batches), _ints(args.prefill)
-    if args.iters < 1 or args.rounds < 1 or args.round_calls < 1 or args.context < 1 or min(args.batches + args.prefill, default=1) < 1:
-        parser.error("need --iters, --rounds, --round-calls, --context, batch sizes and prefill lengths >= 1")
+    if min(args.iters, args.rounds, args.round_calls, args.context,
+           *args.batches, *args.prefill) < 1:
+        parser.error("need --iters, --rounds, --round-calls, --context, batch sizes and "
+                     "prefill lengths >= 1")
     args.shapes = [Shape("decode", b, 1) for b in args.batches] + \
         [Shape("prefill", 1, t) for t in args.prefill]
     if not args.shapes:

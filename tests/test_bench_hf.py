@@ -119,6 +119,7 @@ def test_tp_plan_argument_follows_transformers(monkeypatch):
     (["--variants", "nope"], "--variants: choose among"),
     (["--batches", "", "--prefill", ""], "no shape"),
     (["--heads", "6", "--kv-heads", "4"], "must be a multiple of --kv-heads 4"),
+    (["--round-calls", "0"], "need --iters, --rounds, --round-calls"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -1,7 +1,8 @@
 """Dynamic-shape graphs share the token buckets: a DTensor TP block compiled with dynamic=True, or
 with dynamic=False and torch._dynamo.mark_dynamic on the token dim (so that the mark alone makes
-the graph dynamic: unmarked, each count would compile anew), on 2 gloo ranks, run at 24 token counts, is compiled once, tunes
-each site once per bucket and matches eager at every count; the fused_site fake (which the pass calls on the traced values) keeps symbolic shapes.
+the graph dynamic: unmarked, each count would compile anew), on 2 gloo ranks, run at 24 token
+counts, is compiled once, tunes each site once per bucket and matches eager at every count; the
+fused_site fake (which the pass calls on the traced values) keeps symbolic shapes.
 
 The infini_dist backend (the pass without Inductor's C++ compile, which takes minutes on a
 shared CPU runner) traces the same post-grad forms; test_compile_tp covers Inductor itself."""
