@@ -26,7 +26,10 @@ on CPU. Each is timed over --iters calls after its first call (compile, tuning) 
 in the loop: median per rank, max over ranks. Every compiled row says whether its CUDA graphs
 replayed ("cudagraphs", from torch's cudagraph-skip counter and reasons, and whether the last
 timed call ran a recorded graph); a reduce-overhead row on GPU without replays gets a loud
-warning, since its time then is not a graph replay's. The error is the relative L2 of the
+warning, since its time then is not a graph replay's. The compiled variants are then timed again in
+--rounds interleaved rounds of --round-calls calls (launch/step_timing.py: per-call, host and
+wall time, spread, graphs per step; --profile adds a profiler view of a decode step): those are
+the times the table compares. The error is the relative L2 of the
 logits against eager's, max over ranks. A compile or run failure becomes a table entry.
 
 Writes a table per family on rank 0, results.json and latency_<family>.png under --out. Exit
@@ -54,6 +57,7 @@ from infini_dist.launch import shutdown
 from infini_dist.launch.bench_model import Bench, run_meta, run_shape, setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.model_report import VARIANTS, plot, print_details, summary
+from infini_dist.launch.step_timing import profile_step, time_interleaved, timing_lines
 from infini_dist.launch.tp_decoder import Shape
 
 FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
@@ -76,25 +80,41 @@ def make_config(family: str, args):
 
 
 def tp_load_kwargs() -> dict:
-    """transformers >= 5.18 takes the plan in DistributedConfig; 5.17 (GPU image): tp_plan=."""
+    """transformers >= 5.18 takes the plan in DistributedConfig; 5.17 (GPU image): tp_plan=.
+    The TP size is given where it can be: 5.23 derives it from $WORLD_SIZE, which only torchrun
+    sets, and left at 1 the model loads unsharded (and has no all_reduce to fuse)."""
     import transformers
     config_class = getattr(transformers, "DistributedConfig", None)
     if config_class is not None and "tp_plan" in inspect.signature(config_class).parameters:
-        return {"distributed_config": config_class(tp_plan="auto")}
+        extra = {"tp_size": dist.get_world_size()} if dist.is_initialized() and \
+            "tp_size" in inspect.signature(config_class).parameters else {}
+        return {"distributed_config": config_class(tp_plan="auto", **extra)}
     return {"tp_plan": "auto"}
 
 
-def load_tp_model(family: str, args, device, dtype, control):
-    """Random weights saved by rank 0, loaded sharded on every rank."""
+def check_sharded(model) -> None:
+    """Raises where transformers loaded the model whole on every rank (no DTensor parameter):
+    a TP bench or tuning of that model would measure a model with no collective in it."""
+    from torch.distributed.tensor import DTensor
+    if dist.get_world_size() > 1 and \
+            not any(isinstance(p, DTensor) for p in model.parameters()):
+        raise RuntimeError(
+            "transformers did not shard the model (no DTensor parameter on this rank): run "
+            "under torchrun, or set WORLD_SIZE, RANK and LOCAL_RANK as torchrun does")
+
+
+def load_tp_model(config, out_dir: str, device, dtype, control):
+    """Random weights of `config` saved by rank 0 under `out_dir`, loaded sharded on every
+    rank."""
     from transformers import AutoModelForCausalLM
     path = [None, None]  # the directory, or rank 0's error: the others must not wait for it
     if dist.get_rank() == 0:
         try:
-            os.makedirs(args.out, exist_ok=True)
-            path[0] = tempfile.mkdtemp(prefix=f"{family}-", dir=args.out)
+            os.makedirs(out_dir, exist_ok=True)
+            path[0] = tempfile.mkdtemp(prefix=f"{config.model_type}-", dir=out_dir)
             torch.manual_seed(0)
             with torch.device(device):  # random init of ~1B parameters is slow on the host
-                model = AutoModelForCausalLM.from_config(make_config(family, args), dtype=dtype)
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             model.save_pretrained(path[0])
             del model
         except Exception as error:  # noqa: BLE001 - raised on every rank below
@@ -103,13 +123,15 @@ def load_tp_model(family: str, args, device, dtype, control):
     if path[1]:
         if path[0] and dist.get_rank() == 0:
             shutil.rmtree(path[0], ignore_errors=True)
-        raise RuntimeError(f"rank 0 could not build and save the {family} model: {path[1]}")
+        raise RuntimeError(f"rank 0 could not build and save the {config.model_type} model: "
+                           f"{path[1]}")
     try:
         model = AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype, **tp_load_kwargs())
     finally:
         dist.barrier(group=control)  # every rank has read the files (or failed to)
         if dist.get_rank() == 0:
             shutil.rmtree(path[0], ignore_errors=True)
+    check_sharded(model)
     return model.eval()
 
 
@@ -168,10 +190,27 @@ def note_cudagraphs(row: dict, watch: CudagraphWatch, bench: Bench, args) -> Non
               f" its time is not a graph replay's\n", flush=True)
 
 
+def profile_variants(bench: Bench, steps: dict, family: str, shape: Shape, args) -> dict:
+    """Interleaved timing of `steps` (step_timing.py), and with --profile a profiler view of a
+    decode step of each (traces under --out from rank 0). Each variant's `timing_graphs` counts
+    the Dynamo graphs compiled meanwhile: anything but 0 means the timing ran other code."""
+    from torch._dynamo.utils import counters
+    graphs = counters["stats"]["unique_graphs"]
+    timings = time_interleaved(bench, steps, args.rounds, args.round_calls)
+    if args.profile and shape.kind == "decode":
+        for variant, step in steps.items():
+            trace = os.path.join(args.out, f"trace_{family}_{shape.name}_{variant}.json"
+                                 .replace(" ", "_")) if dist.get_rank() == 0 else None
+            timings[variant]["profile"] = profile_step(step, 3, bench.cuda, trace)
+    for fields in timings.values():
+        fields["timing_graphs"] = int(bench.worst(counters["stats"]["unique_graphs"] - graphs))
+    return timings
+
+
 def bench_family(bench: Bench, family: str, args, device, dtype, control) -> list[dict]:
     import infini_dist.compile as idc
     begin = time.perf_counter()
-    model = load_tp_model(family, args, device, dtype, control)
+    model = load_tp_model(make_config(family, args), args.out, device, dtype, control)
     load_s = bench.worst(time.perf_counter() - begin)
     mode = None if args.mode == "default" else args.mode
     compiled = {}
@@ -187,12 +226,24 @@ def bench_family(bench: Bench, family: str, args, device, dtype, control) -> lis
         with contextlib.ExitStack() as stack:
             for watch in watches.values():
                 stack.enter_context(watch)
-            shape_rows = run_shape(bench, shape,
-                                   shape_calls(model, compiled, watches, shape, args, device))
+            calls = shape_calls(model, compiled, watches, shape, args, device)
+            shape_rows = run_shape(bench, shape, calls)
+            # The compiled variants again, interleaved in rounds: the numbers compared. Under
+            # no_grad as their first calls were: grad mode is guarded, a change recompiles.
+            timed = [r["variant"] for r in shape_rows if r["variant"] in compiled
+                     and "median_us" in r]
+            if timed:
+                with torch.no_grad():
+                    interleaved = profile_variants(bench, {v: calls[v] for v in timed}, family,
+                                                   shape, args)
         for row in shape_rows:
             row["family"] = family
             if row["variant"] in watches:
                 note_cudagraphs(row, watches[row["variant"]], bench, args)
+            if row["variant"] in timed:
+                row["sequential_us"] = row["median_us"]
+                row.update(interleaved[row["variant"]])
+                row["median_us"] = row["call_us"]
             rows.append(row)
         if bench.cuda:
             torch.cuda.empty_cache()
@@ -224,7 +275,13 @@ def parse_args(argv=None):
                         help="positions in the static KV cache before the decode step")
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes ('' for none)")
     parser.add_argument("--prefill", default="1024,2048", help="prefill lengths ('' for none)")
-    parser.add_argument("--iters", type=int, default=100, help="timed calls per variant and shape")
+    parser.add_argument("--iters", type=int, default=100,
+                        help="timed calls per variant and shape, one variant after the other")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="interleaved rounds of the compiled variants (their reported times)")
+    parser.add_argument("--round-calls", type=int, default=50, help="calls per variant and round")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler view of 3 decode steps per compiled variant")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--mode", default=None, choices=["default", "reduce-overhead",
                                                          "max-autotune"],
@@ -246,8 +303,10 @@ def parse_args(argv=None):
     if set(requested) - set(VARIANTS) or not args.variants:
         parser.error(f"--variants: choose among {','.join(VARIANTS)}, got {requested}")
     args.batches, args.prefill = _ints(args.batches), _ints(args.prefill)
-    if args.iters < 1 or args.context < 1 or min(args.batches + args.prefill, default=1) < 1:
-        parser.error("need --iters, --context, batch sizes and prefill lengths >= 1")
+    if min(args.iters, args.rounds, args.round_calls, args.context,
+           *args.batches, *args.prefill) < 1:
+        parser.error("need --iters, --rounds, --round-calls, --context, batch sizes and "
+                     "prefill lengths >= 1")
     args.shapes = [Shape("decode", b, 1) for b in args.batches] + \
         [Shape("prefill", 1, t) for t in args.prefill]
     if not args.shapes:
@@ -284,7 +343,7 @@ def main(argv=None) -> int:
             replayed = f"NO for {', '.join(missed)} (bench bug on GPU)" if missed \
                 else "every compiled row"
             family_lines.insert(len(family_lines) - 2, f"cudagraphs replayed: {replayed}")
-        lines += ["", f"== {family} =="] + family_lines
+        lines += ["", f"== {family} =="] + timing_lines(family_rows, args.shapes) + family_lines
         for key, misses in family_verdict.items():
             verdict[key] += [f"{family} {m}" for m in misses]
         if rank == 0:

@@ -2,17 +2,26 @@
 
     infini-dist tune --model tp_decoder --tokens 1,8,32,1024 --layers 4 --hidden 4096 ...
     infini-dist tune --model ops --tokens 1,8,32 --hidden 4096
+    infini-dist tune --hf llama --tokens 1,8,32,1024 --layers 4 --hidden 4096 ...
+    infini-dist tune --hf path/to/config.json --tokens 1,8,32       (or a model directory)
 
 `tp_decoder` is the benchmark's Llama-style TP decoder (launch/tp_decoder.py, random weights)
 compiled with the infini_dist pass, dynamic in the token count; each count runs a prefill of that
 many tokens, which reaches the same sites as decode at that batch size. `ops` runs the eager fused
 ops (all_reduce + add + RMSNorm, all_reduce + SwiGLU) at (tokens, hidden). Decisions go to the
 configured cache dir (`INFINI_DIST_CACHE_DIR`), where later jobs load them.
+
+`--hf` builds a Hugging Face model as `bench --hf` does (launch/bench_hf.py): a family's config
+from the size flags, or the config of a path, with random weights (nothing is downloaded), loaded
+under transformers' own TP, compiled with the pass, dynamic in the token count; each count runs
+a prefill of that many tokens without a cache. The site shapes, hence the decisions, depend on
+the config only, not on the weights: a served checkpoint of that config finds them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -32,6 +41,10 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--eps", type=float, default=1e-6)
+    parser.add_argument("--hf", metavar="FAMILY|CONFIG",
+                        help="a Hugging Face model: llama, qwen2 or mistral (sized by the flags "
+                             "above and --vocab), or a config.json or model directory")
+    parser.add_argument("--vocab", type=int, default=32000, help="--hf FAMILY's vocabulary")
     parser.add_argument("--backend", choices=("inductor", "infini_dist"), default="inductor",
                         help="tp_decoder's torch.compile backend")
     args = parser.parse_args(argv)
@@ -41,7 +54,37 @@ def parse_args(argv=None):
         parser.error(f"--tokens must be comma-separated ints, got {args.tokens!r}")
     if args.tokens and min(args.tokens) < 1:
         parser.error("--tokens must be >= 1")
+    if args.hf and (args.backend != "inductor" or args.model != "tp_decoder"):
+        parser.error("--hf takes the place of --model and compiles with Inductor")
     return args
+
+
+def hf_config(args):
+    """The config --hf names: a family sized by the flags, or one read from a path."""
+    from infini_dist.launch import bench_hf
+    from infini_dist.scheduler import buckets
+    if args.hf in bench_hf.FAMILIES:
+        longest = max(args.tokens or buckets.bounds(infini_dist.config.snapshot()))
+        sizes = argparse.Namespace(hidden=args.hidden, mlp=args.mlp, heads=args.heads,
+                                   kv_heads=args.kv_heads, layers=args.layers, vocab=args.vocab,
+                                   context=longest, prefill=[])
+        return bench_hf.make_config(args.hf, sizes)
+    from transformers import AutoConfig
+    if not os.path.exists(args.hf):
+        raise SystemExit(f"infini-dist tune: --hf {args.hf!r} is neither a family "
+                         f"({', '.join(bench_hf.FAMILIES)}) nor a path")
+    return AutoConfig.from_pretrained(args.hf, local_files_only=True)
+
+
+def _hf_model(args, device, dtype):
+    import tempfile
+
+    import infini_dist.compile as idc
+    from infini_dist.launch.bench_hf import load_tp_model
+    control = dist.new_group(backend="gloo")
+    # rank 0 saves the random weights in a fresh directory there, the others load them from it
+    model = load_tp_model(hf_config(args), tempfile.gettempdir(), device, dtype, control)
+    return idc.compile_model(model, dynamic=True)
 
 
 def _ops_model(eps: float):
@@ -75,6 +118,13 @@ def main(argv=None) -> int:
             x, residual = (torch.randn(tokens, args.hidden, generator=shared,
                                        device=device).to(dtype) for _ in "xr")
             return x * (dist.get_rank() + 1), residual, weight
+    elif args.hf:
+        model = _hf_model(args, device, dtype)
+        vocab = model.config.vocab_size
+
+        def make_inputs(tokens):
+            ids = torch.randint(0, vocab, (1, tokens), generator=shared, device=device)
+            return {"input_ids": ids, "use_cache": False}
     else:
         model = _decoder(args, device, dtype)
 

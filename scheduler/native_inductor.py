@@ -15,6 +15,7 @@ torch as well, with a warning: the native path must always run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import types
@@ -89,6 +90,17 @@ def epilogues_compiled() -> int:
     return _GRAPHS[0]
 
 
+def _automatic_dynamic():
+    """Dynamo's automatic dynamic shapes, which an epilogue keyed without the token count needs
+    (one recompile at most). Our site runs inside the user's compiled code, and under
+    torch.compile(dynamic=False) Dynamo turns them off while that code runs: each count would
+    compile the epilogue anew, up to the recompile limit and a hard failure (fullgraph)."""
+    import torch._dynamo.config as dynamo_config
+    if dynamo_config.automatic_dynamic_shapes:
+        return contextlib.nullcontext()
+    return dynamo_config.patch(automatic_dynamic_shapes=True)
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -131,15 +143,19 @@ class InductorNativeChoice(Choice):
         return {name: env[name] for name in self.outputs}
 
     def _epilogue(self, values) -> tuple:
+        # A site may read a graph input itself (the residual); where the user marked it with
+        # torch._dynamo.mark_dynamic, the mark would fail this compile (the epilogue ties the
+        # marked dim to an unmarked one: ConstraintViolationError). A detached alias has none.
+        values = [v.detach() if hasattr(v, "_dynamo_dynamic_indices") else v for v in values]
         shapes = tuple(v.shape for v in values)
         # The site runs inside a compiled graph (no autograd of its own) and is tuned on a
         # no-grad thread: one grad mode everywhere, or Dynamo's guards recompile per mode.
         if self._compiled is not None and shapes in self._ready:
-            with torch.no_grad():
+            with torch.no_grad(), _automatic_dynamic():
                 return self._compiled(*values)
         if self._compiled is not None and not _capturing():
             try:
-                with torch.no_grad():
+                with torch.no_grad(), _automatic_dynamic():
                     result = self._compiled(*values)  # compiles on the first call
                 self._ready.add(shapes)
                 return result

@@ -22,7 +22,8 @@ pytest.importorskip("accelerate")  # transformers' TP loading needs it
 from infini_dist.launch import bench_hf  # noqa: E402
 
 TINY = ["--layers", "1", "--hidden", "64", "--mlp", "128", "--heads", "4", "--kv-heads", "2",
-        "--vocab", "256", "--context", "8", "--batches", "2", "--prefill", "16", "--iters", "2"]
+        "--vocab", "256", "--context", "8", "--batches", "2", "--prefill", "16", "--iters", "2",
+        "--rounds", "2", "--round-calls", "3"]
 
 
 def test_cpu_smoke_llama_tp(tmp_path):
@@ -33,7 +34,7 @@ def test_cpu_smoke_llama_tp(tmp_path):
                HF_HUB_OFFLINE="1")
     run = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "bench", "--hf", "llama",
                           "--nproc", "2", "--cpu-smoke", *TINY, "--variants", "infini_dist,eager",
-                          "--out", str(out)],
+                          "--profile", "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
@@ -55,6 +56,14 @@ def test_cpu_smoke_llama_tp(tmp_path):
         # fp32: only reordering separates the compiled TP model from eager DTensor
         assert math.isfinite(row["rel_l2_vs_eager"]) and row["rel_l2_vs_eager"] < 1e-4
         assert row["dynamo_graphs"] == 1
+        # interleaved rounds (2 x 3 calls) under no_grad as the first call: no recompile
+        assert row["samples"] == 6 and row["timing_graphs"] == 0, row
+        assert row["call_p10_us"] <= row["median_us"] == row["call_us"] <= row["call_p90_us"]
+        assert row["host_us"] > 0 and row["round_spread"] >= 1 and "gpu_us" not in row
+        if row["kind"] == "decode":  # --profile: one decode step's host view
+            view = row["profile"]
+            assert view["host_us_per_step"] > 0 and view["top_host_ops"], view
+            assert view["graph_launches_per_step"] == 0  # no CUDA graph on CPU
         # embedding all_reduce -> input RMSNorm, o_proj -> add + RMSNorm, down_proj -> add +
         # final norm: DTensor's all_reduces in transformers' Llama plan, all rewritten
         assert row["sites"] == 3 and row["pass_graphs"] == 1, row
@@ -62,8 +71,9 @@ def test_cpu_smoke_llama_tp(tmp_path):
         for d in row["decisions"]:
             assert d["choice"] in d["times_us"] and "native" in d["times_us"]
     assert data["verdict"]["check_failures"] == []
-    # no model directory left behind under --out
-    assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+    # no model directory left behind under --out; rank 0's profiler trace of the decode step
+    assert sorted(p.name for p in out.iterdir()) == ["results.json",
+                                                     "trace_llama_decode_b2_infini_dist.json"]
 
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert lines[-1] == "correctness: infini_dist vs eager, relative L2 <= 0.0001: ok"
@@ -71,7 +81,8 @@ def test_cpu_smoke_llama_tp(tmp_path):
     for line, shape in zip(lines[-4:-2], ("decode b2", "prefill 16")):
         b = rows[("llama", shape, "infini_dist")]
         assert line.strip().startswith(shape) and f"{b['median_us']:.1f}" in line
-    assert "== llama ==" in run.stdout
+    assert "== llama ==" in run.stdout and "interleaved timing" in run.stdout
+    assert "profile decode b2 infini_dist (rank 0, per step): host" in run.stdout
 
 
 def test_configs_of_every_family():
@@ -108,6 +119,7 @@ def test_tp_plan_argument_follows_transformers(monkeypatch):
     (["--variants", "nope"], "--variants: choose among"),
     (["--batches", "", "--prefill", ""], "no shape"),
     (["--heads", "6", "--kv-heads", "4"], "must be a multiple of --kv-heads 4"),
+    (["--round-calls", "0"], "need --iters, --rounds, --round-calls"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):

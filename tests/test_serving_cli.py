@@ -63,3 +63,29 @@ def test_tune_then_list_show_and_clear(tmp_path, capsys, isolated_cache):
     capsys.readouterr()
     assert cache_cli.main(["list"]) == 0 and "no decisions" in capsys.readouterr().out
     assert len(DECISIONS) == 0  # the CLI never touches the in-process cache
+
+
+def test_tune_hf_family_from_its_config(tmp_path):
+    """`infini-dist tune --hf llama` builds the model from a config as `bench --hf` does (random
+    weights, transformers' TP on 2 gloo ranks) and tunes its sites once per bucket."""
+    import pytest
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' TP loading needs it
+    cache = tmp_path / "decisions"
+    env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache), INFINI_DIST_BENCHMARK_REPS="2",
+               INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
+               TORCHINDUCTOR_COMPILE_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "tune", "--nproc", "2",
+                           "--hf", "llama", "--tokens", "3,5", "--layers", "1", "--hidden", "64",
+                           "--mlp", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "256"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in cache.glob("*.json")]
+    # embedding all_reduce -> input norm, o_proj -> add + norm, down_proj -> add + final norm:
+    # distinct sites of a sharded model, each decided for buckets 4 and 8 only
+    assert records and {r["bucket"] for r in records} == {4, 8}
+    assert all(r["world_size"] == 2 and r["op"].startswith("all_reduce") for r in records)
+    tuned = len(records)
+    assert f"infini-dist tune: 2 token counts, {tuned} site(s) tuned" in done.stdout
+    # the model directory rank 0 wrote is gone
+    assert not any(p.name.startswith("llama-") for p in tmp_path.iterdir())

@@ -1,0 +1,176 @@
+"""Step timing that keeps the host apart from the GPU (`bench --hf`), for variants that bring
+their own CUDA graphs (torch.compile mode="reduce-overhead").
+
+A single median of calls timed one variant after the other mixes three things: the GPU's work,
+the host's (Dynamo guards, the cudagraph-tree launch path), and whatever else the machine did
+during that variant's turn. Here the variants are timed in interleaved rounds (plain, ours,
+ours, plain, ...: the order flips every round), and per variant we keep:
+
+  call_us      CUDA events around each call, no host sync in the loop (what a decode loop sees;
+               the GPU waits for the host where the host is slower); median of every call of
+               every round, with p10 / p90 and the spread of the round medians
+  host_us      time for the call to return on the host (no sync): the host's cost per step
+  wall_us      a round's wall time per call, synchronised at its end
+  graphs       how many recorded graphs one step launches (a site that split the step's
+               graph would show here as more graphs for ours than for plain)
+
+Every number is max over ranks. `profile_step` adds a torch.profiler view of a few steps: the
+GPU's kernel time per step (its busy time, with no host in the way), graph launches, and the
+host ops that cost the most. (Replaying a tree's recorded graphs directly would time the GPU
+alone too, but is wrong: Inductor frees a graph's input buffer inside the graph once read, and
+only the tree's own run copies the input back in; replays read garbage token ids.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def step_graphs(device) -> list:
+    """The CUDAGraphs the latest step ran, first to last (a step starts at the tree's root:
+    callers mark every step begin); [] without cudagraph trees or where torch's private
+    layout is not the one expected."""
+    try:
+        from torch._inductor import cudagraph_trees
+        manager = cudagraph_trees.get_manager(device.index, create_if_none_exists=False)
+        node = getattr(manager, "current_node", None)
+        if not isinstance(node, cudagraph_trees.CUDAGraphNode):
+            return []
+        return [n.graph for n in node._path_from_root if n.graph is not None]
+    except (ImportError, AttributeError, TypeError):
+        return []
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _time_round(fn, calls: int, cuda: bool) -> tuple[list[float], list[float], float]:
+    """(event us per call, host us per call, wall us per step) over `calls` back-to-back calls."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(calls)] if cuda else []
+    host = []
+    begin = time.perf_counter()
+    for i in range(calls):
+        if cuda:
+            events[i][0].record()
+        start = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - start) * 1e6)
+        if cuda:
+            events[i][1].record()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - begin) * 1e6 / calls
+    timed = [s.elapsed_time(e) * 1e3 for s, e in events] if cuda else host
+    return timed, host, wall
+
+
+def time_interleaved(bench, calls: dict, rounds: int, per_round: int) -> dict:
+    """name -> timing fields (see the module doc) for each call in `calls`, max over ranks.
+
+    Every rank runs the same rounds in the same order; a gloo barrier starts each turn, so the
+    ranks enter a variant together and the collectives inside do not time the other rank's
+    lateness from the previous turn."""
+    names = list(calls)
+    timed = {n: [] for n in names}
+    host = {n: [] for n in names}
+    walls = {n: [] for n in names}
+    round_medians = {n: [] for n in names}
+    graphs = {}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            dist.barrier(group=bench.control)
+            t, h, w = _time_round(calls[name], per_round, bench.cuda)
+            timed[name] += t
+            host[name] += h
+            walls[name].append(w)
+            round_medians[name].append(statistics.median(t))
+    for name in names:
+        if bench.cuda:  # one more step of the name's own: the tree's path is that step's
+            calls[name]()
+            torch.cuda.synchronize()
+            graphs[name] = len(step_graphs(bench.device))
+    result = {}
+    for name in names:
+        fields = {
+            "call_us": statistics.median(timed[name]),
+            "call_p10_us": _percentile(timed[name], 0.1),
+            "call_p90_us": _percentile(timed[name], 0.9),
+            "round_spread": max(round_medians[name]) / min(round_medians[name]),
+            "host_us": statistics.median(host[name]),
+            "wall_us": statistics.median(walls[name]),
+        }
+        result[name] = {k: bench.worst(v) for k, v in fields.items()}
+        if name in graphs:
+            result[name]["graphs_per_step"] = int(bench.worst(graphs[name]))
+        result[name]["samples"] = len(timed[name])
+    return result
+
+
+def profile_step(fn, steps: int, cuda: bool, trace_path: str | None = None) -> dict:
+    """A torch.profiler view of `steps` calls: per step, the host time of the call, the GPU
+    kernel time, graph launches, our op's host calls; and the 8 host ops with the most self
+    time. This rank only."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        begin = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        host = (time.perf_counter() - begin) * 1e6 / steps
+        if cuda:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+
+    def count(name: str) -> float:  # the CUDA runtime's names may carry a version suffix
+        return sum(e.count for e in averages if e.key.startswith(name)) / steps
+    kernel_us = sum(getattr(e, "self_device_time_total", 0.0) for e in averages
+                    if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return {"host_us_per_step": host, "gpu_kernel_us_per_step": kernel_us / steps,
+            "graph_launches_per_step": count("cudaGraphLaunch"),
+            "fused_site_host_calls_per_step": count("infini_dist::fused_site"),
+            "top_host_ops": [(e.key[:60], e.self_cpu_time_total / steps, e.count / steps)
+                             for e in top]}
+
+
+def timing_lines(rows: list[dict], shapes) -> list[str]:
+    """The interleaved timings of the compiled variants, one line per shape and variant, and
+    each profiled step's view."""
+    lines = ["", "interleaved timing (us per step, max over ranks): call = events around each "
+             "call (p10-p90, spread of round medians), host = call returns, wall = per call "
+             "with a sync per round, kernels = GPU kernel time per step (profiler, rank 0)",
+             f"{'shape':>14s} {'variant':12s} {'call':>8s} {'p10-p90':>15s} {'spread':>6s} "
+             f"{'host':>8s} {'wall':>8s} {'kernels':>8s} {'graphs':>6s}"]
+    for shape in shapes:
+        for row in rows:
+            if row["shape"] != shape.name or "call_us" not in row:
+                continue
+            gpu = row.get("profile", {}).get("gpu_kernel_us_per_step")
+            lines.append(
+                f"{shape.name:>14s} {row['variant']:12s} {row['call_us']:8.1f} "
+                f"{row['call_p10_us']:7.1f}-{row['call_p90_us']:<7.1f} "
+                f"{row['round_spread']:6.2f} {row['host_us']:8.1f} {row['wall_us']:8.1f} "
+                f"{'-' if gpu is None else f'{gpu:.1f}':>8s} "
+                f"{row.get('graphs_per_step', '-')!s:>6s}")
+    for row in rows:
+        view = row.get("profile")
+        if view:
+            lines.append(f"profile {row['shape']} {row['variant']} (rank 0, per step): host "
+                         f"{view['host_us_per_step']:.1f} us, GPU kernels "
+                         f"{view['gpu_kernel_us_per_step']:.1f} us, graph launches "
+                         f"{view['graph_launches_per_step']:g}, fused_site host calls "
+                         f"{view['fused_site_host_calls_per_step']:g}; top host ops: " +
+                         "; ".join(f"{k} {us:.0f}us x{n:g}" for k, us, n in view["top_host_ops"]))
+    return lines
