@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from infini_dist.kernels.chain import UnsupportedChain
-from infini_dist.kernels.nccl_epilogue import NcclEpilogueAlgorithm, plan
+from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm, plan
 from infini_dist.scheduler import ops
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites

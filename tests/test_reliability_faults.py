@@ -338,7 +338,7 @@ def test_nvlink_only_choices_need_one_host(hosts, offered):
 
 
 def test_symm_plan_refuses_a_group_over_hosts():
-    from infini_dist.kernels.symm_algorithms import plan_span
+    from infini_dist.scheduler.backends.symm import plan_span
     from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta
     from test_engine_consensus import ar_block_graph
     graph = ar_block_graph()
