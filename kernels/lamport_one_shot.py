@@ -23,11 +23,11 @@ import triton.language as tl
 
 from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
-from infini_dist.kernels.symm_call import SymmKernel, fused_all_reduce
+from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
-from infini_dist.kernels.symm_device import (advance_epoch, apply_prologue, call_half, finish,
-                                             item_range, program_items, push_to_peers)
-from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, never_empty, peer_pointer, take
+from infini_dist.kernels.symm_device import (advance_epoch, call_half, finish, item_range,
+                                             program_items, push_items)
+from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, peer_pointer, take
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -37,19 +37,15 @@ def lamport_one_shot_kernel(
         BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr, WORLD_SIZE: tl.constexpr,
         WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
     pid, programs, first_item, items = program_items(numel, ITEM)
-    dtype = x_ptr.dtype.element_ty
-    column = tl.arange(0, BLOCK)
     calls, half = call_half(epoch_ptr, pid, half_stride)
-    mine = half + rank * slot_stride
 
     # Push: this rank's items, prologue applied and never the empty pattern, to every peer.
-    for item in range(first_item, items, programs):
-        index, mask = item_range(item, column, numel, ITEM)
-        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
-        x = never_empty(apply_prologue(x, index, mask, prologue, PROLOGUE, dtype).to(dtype))
-        push_to_peers(data_table, rank, mine + index, x, mask, WORLD_SIZE)
+    push_items(x_ptr, data_table, rank, half + rank * slot_stride, first_item, items, programs,
+               numel, prologue, PROLOGUE, ITEM, BLOCK, WORLD_SIZE, True)
 
     # Reduce: poll the W slots of each item, empty them, sum them as one [W, item] tile.
+    dtype = x_ptr.dtype.element_ty
+    column = tl.arange(0, BLOCK)
     local = peer_pointer(data_table, rank, dtype) + half
     sources = tl.arange(0, WS_P2)
     for item in range(first_item, items, programs):
@@ -76,16 +72,7 @@ def lamport_one_shot_launch(x, buffer, out, **options):
     return lamport_one_shot_kernel, (layout.grid,), args, kwargs
 
 
-# The same two halves of W slots as the one-shot kernel.
-LAMPORT_ONE_SHOT = SymmKernel("one_shot_lamport", lamport_one_shot_launch, one_shot_bytes,
-                              lamport=True)
-
-
-def lamport_one_shot_all_reduce(x, *, group=None, prologue=(), epilogue=(), weight=None,
-                                residual=None, eps=1e-6, buffer=None):
-    """One-shot with Lamport signalling (no barrier). Unfused torch equivalent (arguments as in
-    symm_call.fused_all_reduce): `y = prologue(x); dist.all_reduce(y, group=group)`, then
-    `epilogue(y)`, then rms_norm(y [+ residual], weight, eps) if `weight` is given."""
-    return fused_all_reduce(LAMPORT_ONE_SHOT, x, group=group, prologue=prologue,
-                            epilogue=epilogue, weight=weight, residual=residual, eps=eps,
-                            buffer=buffer)
+# The plain callable (torch's equivalent in SymmKernel.__call__); the same two halves of W
+# slots as the one-shot kernel.
+lamport_one_shot_all_reduce = SymmKernel("one_shot_lamport", lamport_one_shot_launch,
+                                         one_shot_bytes, lamport=True)

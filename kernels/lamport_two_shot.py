@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
-from infini_dist.kernels.symm_call import SymmKernel, fused_all_reduce
+from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, launch_layout
 from infini_dist.kernels.symm_device import (advance_epoch, apply_prologue, call_half,
                                              finish_items, program_items, push_to_peers,
@@ -96,15 +96,6 @@ def lamport_two_shot_launch(x, buffer, out, **options):
     return lamport_two_shot_kernel, (layout.grid,), args, kwargs
 
 
-LAMPORT_TWO_SHOT = SymmKernel("two_shot_lamport", lamport_two_shot_launch, lamport_two_shot_bytes,
-                              lamport=True)
-
-
-def lamport_two_shot_all_reduce(x, *, group=None, prologue=(), epilogue=(), weight=None,
-                                residual=None, eps=1e-6, buffer=None):
-    """Two-shot with Lamport signalling (no barrier). Unfused torch equivalent (arguments as in
-    symm_call.fused_all_reduce): `y = prologue(x); dist.all_reduce(y, group=group)`, then
-    `epilogue(y)`, then rms_norm(y [+ residual], weight, eps) if `weight` is given."""
-    return fused_all_reduce(LAMPORT_TWO_SHOT, x, group=group, prologue=prologue,
-                            epilogue=epilogue, weight=weight, residual=residual, eps=eps,
-                            buffer=buffer)
+# The plain callable (torch's equivalent in SymmKernel.__call__).
+lamport_two_shot_all_reduce = SymmKernel("two_shot_lamport", lamport_two_shot_launch,
+                                         lamport_two_shot_bytes, lamport=True)

@@ -5,7 +5,8 @@ composes, so that each kernel reads as signature, phases, launch.
   row (when a norm follows) or a chunk of ITEM elements; program p owns items p, p + grid, ...
 - Call parity and the epoch (`call_half`, `advance_epoch`): kernels that reuse their buffer in
   two halves pick the half from a per-program call counter kept on the device.
-- The push to peers (`push_to_peers`): stores only, staggered so peers are not all hit at once.
+- The push to peers (`push_to_peers`, and `push_items`, the one-shot kernels' first phase):
+  stores only, staggered so peers are not all hit at once.
 - The chains (`apply_prologue`, `finish`): the symm_chain ops, unpacked from the kernels' tuple
   arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE = (OP0, OP1, OP2) and
   EPILOGUE = (OP0, OP1, OP2, NORM, WRITE_PRE) constexpr, `prologue` = (scalar, side) x 3 and
@@ -85,6 +86,23 @@ def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constex
     finish_item(y, index, column, mask, epilogue[0], epilogue[1], epilogue[2], epilogue[3],
                 epilogue[4], OPS[0], epilogue[5], epilogue[6], OPS[1], epilogue[7], epilogue[8],
                 OPS[2], epilogue[9], epilogue[10], OPS[3], OPS[4], ITEM)
+
+
+@triton.jit
+def push_items(x_ptr, data_table, rank, offset, first, last, programs, numel, chain,
+               OPS: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
+               WORLD_SIZE: tl.constexpr, LAMPORT: tl.constexpr):
+    """The one-shot push: items first, first + programs, ... < last, prologue applied, to
+    element `offset` of every rank's data. LAMPORT: never store the empty pattern."""
+    dtype = x_ptr.dtype.element_ty
+    column = tl.arange(0, BLOCK)
+    for item in range(first, last, programs):
+        index, mask = item_range(item, column, numel, ITEM)
+        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+        x = apply_prologue(x, index, mask, chain, OPS, dtype).to(dtype)
+        if LAMPORT:
+            x = never_empty(x)
+        push_to_peers(data_table, rank, offset + index, x, mask, WORLD_SIZE)
 
 
 # ---- the two-shot phases, GROUP items at a time ----------------------------------------------

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from infini_dist.kernels.symm_buffers import slot_elements
-from infini_dist.kernels.symm_call import SymmKernel, fused_all_reduce
+from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import fused_arguments, launch_layout
 from infini_dist.kernels.symm_device import (finish_items, group_items, program_items,
                                              reduce_items, scatter_items, staging_targets)
@@ -103,13 +103,5 @@ def two_shot_launch(x, buffer, out, **options):
     return two_shot_all_reduce_kernel, (layout.grid,), args, kwargs
 
 
-TWO_SHOT = SymmKernel("two_shot", two_shot_launch, two_shot_bytes, lamport=False)
-
-
-def two_shot_all_reduce(x, *, group=None, prologue=(), epilogue=(), weight=None, residual=None,
-                        eps=1e-6, buffer=None):
-    """Two-shot: reduce-scatter, then all-gather, two barriers. Unfused torch equivalent
-    (arguments as in symm_call.fused_all_reduce): `y = prologue(x); dist.all_reduce(y)`, then
-    `epilogue(y)`, then rms_norm(y [+ residual], weight, eps) if `weight` is given."""
-    return fused_all_reduce(TWO_SHOT, x, group=group, prologue=prologue, epilogue=epilogue,
-                            weight=weight, residual=residual, eps=eps, buffer=buffer)
+# The plain callable (torch's equivalent in SymmKernel.__call__).
+two_shot_all_reduce = SymmKernel("two_shot", two_shot_launch, two_shot_bytes, lamport=False)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
-from infini_dist.kernels.symm_call import SymmKernel, fused_all_reduce
+from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, launch_layout
 from infini_dist.kernels.symm_device import (advance_epoch, call_half, finish_items, group_items,
                                              program_items, reduce_items, scatter_items,
@@ -98,14 +98,7 @@ def two_shot_polled_gather_launch(x, buffer, out, **options):
     return two_shot_polled_gather_kernel, (layout.grid,), args, kwargs
 
 
-POLLED_GATHER = SymmKernel("two_shot_polled_gather", two_shot_polled_gather_launch,
-                           polled_gather_bytes, lamport=True)  # the gathered copy is polled
-
-
-def two_shot_polled_gather_all_reduce(x, *, group=None, prologue=(), epilogue=(), weight=None,
-                                      residual=None, eps=1e-6, buffer=None):
-    """Two-shot with one barrier and a polled all-gather. Unfused torch equivalent (arguments
-    as in symm_call.fused_all_reduce): `y = prologue(x); dist.all_reduce(y, group=group)`,
-    then `epilogue(y)`, then rms_norm(y [+ residual], weight, eps) if `weight` is given."""
-    return fused_all_reduce(POLLED_GATHER, x, group=group, prologue=prologue, epilogue=epilogue,
-                            weight=weight, residual=residual, eps=eps, buffer=buffer)
+# The plain callable (torch's equivalent in SymmKernel.__call__); its gathered copy is polled.
+two_shot_polled_gather_all_reduce = SymmKernel("two_shot_polled_gather",
+                                               two_shot_polled_gather_launch, polled_gather_bytes,
+                                               lamport=True)

@@ -39,7 +39,7 @@ def algorithm_of(kernel):
     return found[0]
 
 
-def standard_cases(name: str) -> list:
+def _standard_cases(name: str) -> list:
     """Every pattern at a small shape, then the shapes that stress items and programs."""
     from symm_cases import PATTERNS
     cases = [(name, pattern, (3, 40), F32) for pattern in PATTERNS]
@@ -49,6 +49,21 @@ def standard_cases(name: str) -> list:
                     (name, "plain", (2, 4100), F32),        # several chunks
                     (name, "add_rms_norm", (2, 64), BF16),
                     (name, "swiglu", (3, 40), F16)]
+
+
+def run_standard(monkeypatch, kernel, all_polled=False) -> None:
+    """`kernel` on 3 interpreted ranks: every pattern and the awkward shapes through its engine
+    algorithm, and two patterns through the kernel as a plain callable."""
+    name = algorithm_of(kernel).name
+    run_interpreted(monkeypatch, 3, _standard_cases(name) + _callable_cases(name, kernel),
+                    all_polled=all_polled)
+
+
+def run_cases(monkeypatch, kernel, world_size, patterns_and_shapes) -> None:
+    """`kernel`'s engine algorithm on fp32 (pattern, shape) cases at `world_size` ranks."""
+    name = algorithm_of(kernel).name
+    run_interpreted(monkeypatch, world_size, [(name, pattern, shape, F32)
+                                              for pattern, shape in patterns_and_shapes])
 
 
 def _storage_key(algorithm, dtype):
@@ -69,7 +84,7 @@ def _by_callable(function, pattern, values, buffer):
     return dict(zip(build(pattern).output_names, got if isinstance(got, tuple) else (got,)))
 
 
-def callable_cases(name: str, function) -> list:
+def _callable_cases(name: str, function) -> list:
     """The kernel file's plain callable (`function`) on the CALLABLE_CASES patterns."""
     return [(name, pattern, shape, dtype, function) for pattern in CALLABLE_CASES
             for shape, dtype in (((3, 40), F32), ((2, 64), BF16))]
@@ -139,6 +154,11 @@ def run_interpreted(monkeypatch, world_size, cases, data_bytes=1 << 18, all_poll
             assert err <= tol, f"{case} rank {rank}: error {err}"
         # Side tensors are the same on every rank, so every output must match bitwise.
         assert len({bits for _, _, bits in results}) == 1, f"{case}: ranks differ"
+
+
+def run_on_gpus(tmp_path, kernel) -> None:
+    """tests/gpu_symm_worker.py for `kernel`'s algorithm alone."""
+    run_gpu_worker(tmp_path, "--quick", "--only", algorithm_of(kernel).name)
 
 
 def run_gpu_worker(tmp_path, *arguments):

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from infini_dist.kernels import symm_chain
-from infini_dist.scheduler.backends.symm import OneShotAllReduce, TwoShotAllReduce, plan_span
+from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
+from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
+from infini_dist.scheduler.backends.symm import plan_span
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 from symm_cases import PATTERNS, build, full_span, meta_of
-from symm_runs import run_gpu_worker, run_interpreted, symm_algorithms
+from symm_runs import algorithm_of, run_gpu_worker, run_interpreted, symm_algorithms
 
 CUDA4 = RunContext(None, 4, 1, torch.device("cuda", 1))
 
@@ -36,8 +38,8 @@ def test_every_depth_of_every_pattern_is_planned(pattern):
         # add then rms_norm at depth 1 leaves `s` live, which we can write: all depths work.
         assert plan is not None, (pattern, p, e)
         assert set(plan.outputs) == set(span.outputs)
-        assert OneShotAllReduce().supports(span, meta, CUDA4)
-        assert TwoShotAllReduce().supports(span, meta, CUDA4)
+        assert algorithm_of(one_shot_all_reduce).supports(span, meta, CUDA4)
+        assert algorithm_of(two_shot_all_reduce).supports(span, meta, CUDA4)
 
 
 def test_plan_of_add_rms_norm_names_both_outputs():
@@ -100,8 +102,8 @@ def test_plan_rejects_what_the_kernels_cannot_do():
 
     graph, span = _span([ar], ["x"], ["y"])
     big = _meta(shape=(2048, 4096))  # 16 MiB of bf16: two-shot only
-    assert not OneShotAllReduce().supports(span, big, CUDA4)
-    assert TwoShotAllReduce().supports(span, big, CUDA4)
+    assert not algorithm_of(one_shot_all_reduce).supports(span, big, CUDA4)
+    assert algorithm_of(two_shot_all_reduce).supports(span, big, CUDA4)
 
 
 def test_encode_node_covers_the_elementwise_ops():

@@ -40,8 +40,8 @@ SYMM_CASES = [("one_shot", "add_rms_norm", (3, 40), torch.float32),
 
 
 def _algorithm(kind):
-    from infini_dist.scheduler.backends.symm import OneShotAllReduce, TwoShotAllReduce
-    return {"one_shot": OneShotAllReduce, "two_shot": TwoShotAllReduce}[kind]()
+    from symm_runs import symm_algorithms
+    return symm_algorithms()[kind]
 
 
 def _plan(kind, pattern, shape, dtype, world_size, rank):

@@ -13,17 +13,17 @@ log = logging.getLogger("infini_dist")
 
 def _nccl_epilogue():
     from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm
-    return (NcclEpilogueAlgorithm,)
+    return [NcclEpilogueAlgorithm()]
 
 
 def _symm():
-    from infini_dist.scheduler.backends.symm import ALGORITHMS
-    return ALGORITHMS
+    from infini_dist.scheduler.backends.symm import algorithms
+    return algorithms()
 
 
 for backend in (_nccl_epilogue, _symm):
     try:
-        algorithms = [cls() for cls in backend()]
+        algorithms = backend()
     except Exception as error:  # noqa: BLE001 - a missing backend must not break the others
         log.warning("infini_dist: GPU backend %s unavailable: %s", backend.__name__.strip("_"),
                     error)

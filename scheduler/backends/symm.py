@@ -29,15 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from infini_dist.kernels import symm_buffers
-from infini_dist.kernels.lamport_one_shot import LAMPORT_ONE_SHOT
-from infini_dist.kernels.lamport_two_shot import LAMPORT_TWO_SHOT
+from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce
+from infini_dist.kernels.lamport_two_shot import lamport_two_shot_all_reduce
 from infini_dist.kernels.nt_runtime import FastLaunch, fast_launch_enabled
-from infini_dist.kernels.one_shot_all_reduce import ONE_SHOT
+from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.symm_chain import (ADD_RMS_NORM, MAX_CHAIN, MAX_ROW, NO_NORM, RMS_NORM,
                                             encode_node)
-from infini_dist.kernels.two_shot_all_reduce import TWO_SHOT
-from infini_dist.kernels.two_shot_polled_gather import POLLED_GATHER
+from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
+from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.choices import Algorithm
 
@@ -213,17 +213,16 @@ class PreparedLaunch:
         return self.plan.results(out, pre)
 
 
-class _SymmAllReduce(Algorithm):
-    kernel = None  # the symm_call.SymmKernel it launches
-    max_bytes = 0
+class SymmAllReduce(Algorithm):
+    """The engine's choice `name`: one symm_call.SymmKernel (`kernel`) for spans of at most
+    `max_bytes`."""
+
+    def __init__(self, name: str, kernel, max_bytes: int):
+        self.name, self.kernel, self.max_bytes = name, kernel, max_bytes
 
     @property
     def kind(self) -> str:
         return self.kernel.kind
-
-    @property
-    def lamport(self) -> bool:
-        return self.kernel.lamport
 
     def data_bytes(self, plan: SpanPlan, world_size: int) -> int:
         return self.kernel.data_bytes(plan.numel, plan.dtype.itemsize, world_size, plan.row_len,
@@ -277,35 +276,12 @@ class _SymmAllReduce(Algorithm):
         return run
 
 
-class OneShotAllReduce(_SymmAllReduce):
-    name = "one_shot"
-    kernel = ONE_SHOT
-    max_bytes = ONE_SHOT_MAX_BYTES
-
-
-class TwoShotAllReduce(_SymmAllReduce):
-    name = "two_shot"
-    kernel = TWO_SHOT
-    max_bytes = TWO_SHOT_MAX_BYTES
-
-
-class LamportOneShotAllReduce(_SymmAllReduce):
-    name = "one_shot_lamport"
-    kernel = LAMPORT_ONE_SHOT
-    max_bytes = ONE_SHOT_MAX_BYTES
-
-
-class LamportTwoShotAllReduce(_SymmAllReduce):
-    name = "two_shot_lamport"
-    kernel = LAMPORT_TWO_SHOT
-    max_bytes = LAMPORT_TWO_SHOT_MAX_BYTES
-
-
-class PolledGatherTwoShotAllReduce(_SymmAllReduce):
-    name = "two_shot_polled_gather"
-    kernel = POLLED_GATHER
-    max_bytes = POLLED_GATHER_MAX_BYTES
-
-
-ALGORITHMS = (OneShotAllReduce, TwoShotAllReduce, LamportOneShotAllReduce,
-              LamportTwoShotAllReduce, PolledGatherTwoShotAllReduce)
+def algorithms() -> list[SymmAllReduce]:
+    """One algorithm per kernel, under the names the engine's decisions are cached by."""
+    return [SymmAllReduce("one_shot", one_shot_all_reduce, ONE_SHOT_MAX_BYTES),
+            SymmAllReduce("two_shot", two_shot_all_reduce, TWO_SHOT_MAX_BYTES),
+            SymmAllReduce("one_shot_lamport", lamport_one_shot_all_reduce, ONE_SHOT_MAX_BYTES),
+            SymmAllReduce("two_shot_lamport", lamport_two_shot_all_reduce,
+                          LAMPORT_TWO_SHOT_MAX_BYTES),
+            SymmAllReduce("two_shot_polled_gather", two_shot_polled_gather_all_reduce,
+                          POLLED_GATHER_MAX_BYTES)]
