@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from symm_cases import (PATTERNS, build, digest, full_span, make_inputs, max_error,  # noqa: E402
                         meta_of, reference)
 
+import infini_dist  # noqa: E402
 from infini_dist.kernels import symm_buffers  # noqa: E402
 from infini_dist.scheduler.choices import RunContext  # noqa: E402
 from symm_runs import symm_algorithms  # noqa: E402
@@ -109,7 +110,7 @@ def check_engine(ctx, dtype=torch.bfloat16):
         graph = build(pattern)
         everyone, local = inputs_for(graph, shape, dtype, 3, ctx.world_size, ctx.rank,
                                      ctx.device)
-        executor = executor_for(graph)
+        executor = executor_for(graph, infini_dist.config.snapshot())
         got = executor.run(local)
         record = executor.site_runners()[0].last_tuning
         if ctx.rank == 0:

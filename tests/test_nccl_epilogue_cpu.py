@@ -192,7 +192,7 @@ def _through_the_engine(rank):
     values = tensors_for("add_rms_norm_pair", (3, 37), torch.bfloat16)
     values["x"] = values["x"] * (rank + 1)
     with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1, enable_disk_cache=False):
-        executor = executor_for(graph)
+        executor = executor_for(graph, infini_dist.config.snapshot())
         executor.run(values)
         return executor.site_runners()[0].last_tuning["candidates"]
 

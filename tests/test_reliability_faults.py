@@ -325,7 +325,7 @@ def two_hosts(rank, world_size, hosts):
     os.environ["INFINI_DIST_HOST_ID"] = hosts[rank]
     with infini_dist.config.patch(tuning_timeout_s=TIMEOUT_S, benchmark_warmup=0,
                                   benchmark_reps=1):
-        executor = engine.executor_for(ar_block_graph())
+        executor = engine.executor_for(ar_block_graph(), infini_dist.config.snapshot())
         executor.run(inputs_for(rank))
     return executor.site_runners()[0].last_tuning["candidates"]
 
