@@ -79,7 +79,8 @@ CALLABLE_CASES = {
 }
 
 
-def _by_callable(function, pattern, values, buffer):
+def by_callable(function, pattern, values, buffer=None):
+    """A CALLABLE_CASES pattern through `function` (a kernel's plain callable), outputs by name."""
     got = function(values["x"], buffer=buffer, **CALLABLE_CASES[pattern](values))
     return dict(zip(build(pattern).output_names, got if isinstance(got, tuple) else (got,)))
 
@@ -112,7 +113,7 @@ def interpreted_rank(rank, world_size, storages, cases, all_polled):
         for call in range(2):
             inputs = [make_inputs(graph, shape, dtype, r, call) for r in range(world_size)]
             if by_callable:
-                got = _by_callable(by_callable[0], pattern, inputs[rank], buffer)
+                got = by_callable(by_callable[0], pattern, inputs[rank], buffer)
             else:
                 got = algorithm.launch(plan, inputs[rank], buffer)
             error = max_error(got, reference(graph, inputs, rank))

@@ -1,7 +1,7 @@
 """The engine's symmetric-memory algorithms (scheduler/backends/symm.py): span planning (what
 `supports` accepts), chain encoding, launch layouts, and every registered kernel at 8 interpreted
-ranks and on GPUs (tests/gpu_symm_worker.py under torchrun, every kernel, eager and CUDA-graph
-replay). Each kernel's own tests: tests/test_symm_<kernel file>.py.
+ranks, and the engine choosing among them on GPUs (tests/gpu_symm_worker.py under torchrun).
+Each kernel's own tests, on GPUs too: tests/test_symm_<kernel file>.py.
 """
 
 from __future__ import annotations
@@ -144,5 +144,6 @@ def test_every_kernel_interpreted_eight_ranks(monkeypatch):
 
 
 @pytest.mark.multigpu
-def test_gpu_worker_under_torchrun(tmp_path):
-    run_gpu_worker(tmp_path, "--quick")
+def test_engine_picks_a_symm_kernel_on_gpus(tmp_path):
+    # Each kernel on GPUs: tests/test_symm_<kernel>.py; here the engine end to end.
+    run_gpu_worker(tmp_path, "--quick", "--only", "engine")
