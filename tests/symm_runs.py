@@ -59,11 +59,12 @@ def run_standard(monkeypatch, kernel, all_polled=False) -> None:
                     all_polled=all_polled)
 
 
-def run_cases(monkeypatch, kernel, world_size, patterns_and_shapes) -> None:
+def run_cases(monkeypatch, kernel, world_size, patterns_and_shapes, all_polled=False) -> None:
     """`kernel`'s engine algorithm on fp32 (pattern, shape) cases at `world_size` ranks."""
     name = algorithm_of(kernel).name
     run_interpreted(monkeypatch, world_size, [(name, pattern, shape, F32)
-                                              for pattern, shape in patterns_and_shapes])
+                                              for pattern, shape in patterns_and_shapes],
+                    all_polled=all_polled)
 
 
 def _storage_key(algorithm, dtype):
@@ -103,7 +104,7 @@ def interpreted_rank(rank, world_size, storages, cases, all_polled):
     ctx = RunContext(None, world_size, rank, torch.device("cuda"))
     algorithms = symm_algorithms()
     results = []
-    for name, pattern, shape, dtype, *by_callable in cases:
+    for name, pattern, shape, dtype, *function in cases:
         algorithm = algorithms[name]
         graph = build(pattern)
         plan = plan_span(full_span(graph), meta_of(graph, shape, dtype), ctx)
@@ -112,8 +113,8 @@ def interpreted_rank(rank, world_size, storages, cases, all_polled):
         assert algorithm.data_bytes(plan, world_size) <= buffer.data_bytes
         for call in range(2):
             inputs = [make_inputs(graph, shape, dtype, r, call) for r in range(world_size)]
-            if by_callable:
-                got = by_callable(by_callable[0], pattern, inputs[rank], buffer)
+            if function:
+                got = by_callable(function[0], pattern, inputs[rank], buffer)
             else:
                 got = algorithm.launch(plan, inputs[rank], buffer)
             error = max_error(got, reference(graph, inputs, rank))
@@ -124,7 +125,7 @@ def interpreted_rank(rank, world_size, storages, cases, all_polled):
                 left = int((data != bits).sum())
                 error = max(error, float(left))  # a place left full fails the tolerance
                 dist.barrier()
-            results.append(((name, pattern, bool(by_callable), shape, str(dtype), call), error,
+            results.append(((name, pattern, bool(function), shape, str(dtype), call), error,
                             digest(got)))
     return results
 
