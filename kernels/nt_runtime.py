@@ -196,6 +196,7 @@ class FastLaunch:
                     template = [None if any(e == i for e, _ in pairs) else item
                                 for i, item in enumerate(value)]
                     self.nested.append((position, template, pairs))
+                    values[position] = None  # the template keeps no caller tensor either
         self.args = values
         self.count = len(per_call)
         self._try_fast = fast_launch_enabled()
