@@ -21,63 +21,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
-from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, apply_chain, finish_item,
-                                            fused_arguments, round_to)
-from infini_dist.kernels.symm_signal import (SPIN_TIMEOUT_NS, empty_like, never_empty,
-                                             peer_pointer, poll)
+from infini_dist.kernels.symm_call import SymmKernel
+from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
+from infini_dist.kernels.symm_device import (advance_epoch, call_half, finish, item_range,
+                                             program_items, push_items)
+from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, peer_pointer, take
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
 def lamport_one_shot_kernel(
-        x_ptr, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,
-        data_table, epoch_ptr,
-        numel, slot_stride, half_stride, rank, timeout_ns,
-        p_scalar0, p_side0, p_scalar1, p_side1, p_scalar2, p_side2,
-        e_scalar0, e_side0, e_scalar1, e_side1, e_scalar2, e_side2,
-        P_OP0: tl.constexpr, P_OP1: tl.constexpr, P_OP2: tl.constexpr,
-        E_OP0: tl.constexpr, E_OP1: tl.constexpr, E_OP2: tl.constexpr,
-        NORM: tl.constexpr, WRITE_PRE: tl.constexpr,
-        ITEM: tl.constexpr, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
-        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    first_item = pid.to(tl.int64)  # int64 loop: offsets of big tensors overflow int32
-    items = tl.cdiv(numel, ITEM)
+        x_ptr, prologue, epilogue, data_table, epoch_ptr, numel, slot_stride, half_stride, rank,
+        timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
+        BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr, WORLD_SIZE: tl.constexpr,
+        WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+    pid, programs, first_item, items = program_items(numel, ITEM)
+    calls, half = call_half(epoch_ptr, pid, half_stride)
+
+    # Push: this rank's items, prologue applied and never the empty pattern, to every peer.
+    push_items(x_ptr, data_table, rank, half + rank * slot_stride, first_item, items, programs,
+               numel, prologue, PROLOGUE, ITEM, BLOCK, WORLD_SIZE, True)
+
+    # Reduce: poll the W slots of each item, empty them, sum them as one [W, item] tile.
     dtype = x_ptr.dtype.element_ty
     column = tl.arange(0, BLOCK)
-    calls = tl.load(epoch_ptr + pid)
-    half = (calls % 2).to(tl.int64) * half_stride
-    mine = half + rank * slot_stride
-
-    for item in range(first_item, items, programs):
-        index = item * ITEM + column
-        mask = (column < ITEM) & (index < numel)
-        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
-        x = apply_chain(x, index, mask, P_OP0, p_scalar0, p_side0, P_OP1, p_scalar1, p_side1,
-                        P_OP2, p_scalar2, p_side2, dtype)
-        x = never_empty(x.to(dtype))
-        for step in tl.static_range(WORLD_SIZE):
-            peer = (rank + step) % WORLD_SIZE  # staggered, so peers are not all hit at once
-            tl.store(peer_pointer(data_table, peer, dtype) + mine + index, x, mask=mask)
-
     local = peer_pointer(data_table, rank, dtype) + half
     sources = tl.arange(0, WS_P2)
     for item in range(first_item, items, programs):
-        index = item * ITEM + column
-        mask = (column < ITEM) & (index < numel)
+        index, mask = item_range(item, column, numel, ITEM)
         places = local + (sources * slot_stride)[:, None] + index[None, :]
         present = (sources < WORLD_SIZE)[:, None] & mask[None, :]
-        values = poll(places, present, timeout_ns, rank, ON_GPU)
-        tl.store(places, empty_like(values), mask=present)
+        values = take(places, present, timeout_ns, rank, ON_GPU)
         total = tl.sum(values.to(tl.float32), axis=0)
-        finish_item(round_to(total, dtype), index, column, mask, out_ptr, pre_ptr, weight_ptr,
-                    residual_ptr, eps, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
-                    E_OP2, e_scalar2, e_side2, NORM, WRITE_PRE, ITEM)
+        finish(round_to(total, dtype), index, column, mask, epilogue, EPILOGUE, ITEM)
 
-    # Every slot s counts this call (see one_shot_all_reduce: later launches may use other grids).
-    slots = tl.arange(0, MAX_PROGRAMS)
-    tl.store(epoch_ptr + slots, calls + 1, mask=(slots % programs) == pid)
+    advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
 
 def lamport_one_shot_launch(x, buffer, out, **options):
@@ -91,3 +70,9 @@ def lamport_one_shot_launch(x, buffer, out, **options):
         kwargs["num_warps"] = min(16, 2 * layout.num_warps)
     kwargs["MAX_PROGRAMS"] = MAX_PROGRAMS
     return lamport_one_shot_kernel, (layout.grid,), args, kwargs
+
+
+# The plain callable (torch's equivalent in SymmKernel.__call__); the same two halves of W
+# slots as the one-shot kernel.
+lamport_one_shot_all_reduce = SymmKernel("one_shot_lamport", lamport_one_shot_launch,
+                                         one_shot_bytes, lamport=True)

@@ -185,6 +185,18 @@ class FastLaunch:
                            for index, tensor in enumerate(per_call) if value is tensor)
         for position, _ in self.slots:
             values[position] = None  # keeps no caller tensor alive
+        # Tuple arguments (the symm kernels' chains) may hold per-call tensors too:
+        # (position, the tuple as a list, ((element, index into per_call), ...)).
+        self.nested = []
+        for position, value in enumerate(values):
+            if isinstance(value, tuple):
+                pairs = tuple((element, index) for element, item in enumerate(value)
+                              for index, tensor in enumerate(per_call) if item is tensor)
+                if pairs:
+                    template = [None if any(e == i for e, _ in pairs) else item
+                                for i, item in enumerate(value)]
+                    self.nested.append((position, template, pairs))
+                    values[position] = None  # the template keeps no caller tensor either
         self.args = values
         self.count = len(per_call)
         self._try_fast = fast_launch_enabled()
@@ -207,6 +219,11 @@ class FastLaunch:
         args = self.args.copy()
         for position, index in self.slots:
             args[position] = tensors[index]
+        for position, template, pairs in self.nested:
+            filled = template.copy()
+            for element, index in pairs:
+                filled[element] = tensors[index]
+            args[position] = tuple(filled)
         return args
 
     def __call__(self, *tensors):

@@ -20,64 +20,41 @@ import triton
 import triton.language as tl
 
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
-from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, apply_chain, finish_item,
-                                            fused_arguments, round_to)
+from infini_dist.kernels.symm_call import SymmKernel
+from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
+from infini_dist.kernels.symm_device import (advance_epoch, call_half, finish, item_range,
+                                             program_items, push_items)
 from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, block_barrier, peer_pointer
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
 def one_shot_all_reduce_kernel(
-        x_ptr, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,
-        data_table, signal_table, epoch_ptr,
-        numel, slot_stride, half_stride, rank, timeout_ns,
-        p_scalar0, p_side0, p_scalar1, p_side1, p_scalar2, p_side2,
-        e_scalar0, e_side0, e_scalar1, e_side1, e_scalar2, e_side2,
-        P_OP0: tl.constexpr, P_OP1: tl.constexpr, P_OP2: tl.constexpr,
-        E_OP0: tl.constexpr, E_OP1: tl.constexpr, E_OP2: tl.constexpr,
-        NORM: tl.constexpr, WRITE_PRE: tl.constexpr,
+        x_ptr, prologue, epilogue, data_table, signal_table, epoch_ptr, numel, slot_stride,
+        half_stride, rank, timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
         ITEM: tl.constexpr, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
         WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
-    # An item is a row (NORM) or a BLOCK-long chunk; program p owns items p, p + grid, ...
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    first_item = pid.to(tl.int64)  # int64 loop: offsets of big tensors overflow int32
-    items = tl.cdiv(numel, ITEM)
-    dtype = x_ptr.dtype.element_ty
-    column = tl.arange(0, BLOCK)
-    calls = tl.load(epoch_ptr + pid)
-    half = (calls % 2).to(tl.int64) * half_stride
-    mine = half + rank * slot_stride
+    pid, programs, first_item, items = program_items(numel, ITEM)
+    calls, half = call_half(epoch_ptr, pid, half_stride)
 
-    for item in range(first_item, items, programs):
-        start = item * ITEM
-        index = start + column
-        mask = (column < ITEM) & (index < numel)
-        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
-        x = apply_chain(x, index, mask, P_OP0, p_scalar0, p_side0, P_OP1, p_scalar1, p_side1,
-                        P_OP2, p_scalar2, p_side2, dtype).to(dtype)
-        for step in tl.static_range(WORLD_SIZE):
-            peer = (rank + step) % WORLD_SIZE  # staggered, so peers are not all hit at once
-            tl.store(peer_pointer(data_table, peer, dtype) + mine + index, x, mask=mask)
+    # Push: this rank's items, prologue applied, into slot `rank` of every peer.
+    push_items(x_ptr, data_table, rank, half + rank * slot_stride, first_item, items, programs,
+               numel, prologue, PROLOGUE, ITEM, BLOCK, WORLD_SIZE, False)
 
     block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
 
+    # Reduce: the W slots in rank order, in fp32, then the epilogue.
+    dtype = x_ptr.dtype.element_ty
+    column = tl.arange(0, BLOCK)
     local = peer_pointer(data_table, rank, dtype) + half
     for item in range(first_item, items, programs):
-        start = item * ITEM
-        index = start + column
-        mask = (column < ITEM) & (index < numel)
+        index, mask = item_range(item, column, numel, ITEM)
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for source in tl.static_range(WORLD_SIZE):
             total += tl.load(local + source * slot_stride + index, mask=mask,
                              other=0.0).to(tl.float32)
-        finish_item(round_to(total, dtype), index, column, mask, out_ptr, pre_ptr, weight_ptr,
-                    residual_ptr, eps, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
-                    E_OP2, e_scalar2, e_side2, NORM, WRITE_PRE, ITEM)
+        finish(round_to(total, dtype), index, column, mask, epilogue, EPILOGUE, ITEM)
 
-    # Every slot s (not only those below the grid) counts this call: slot s is advanced by the
-    # program s % grid, so a later launch with another grid still reads the right parity.
-    slots = tl.arange(0, MAX_PROGRAMS)
-    tl.store(epoch_ptr + slots, calls + 1, mask=(slots % programs) == pid)
+    advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
 
 def one_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
@@ -95,3 +72,8 @@ def one_shot_launch(x, buffer, out, **options):
                    buffer.rank, SPIN_TIMEOUT_NS)
     kwargs["MAX_PROGRAMS"] = MAX_PROGRAMS
     return one_shot_all_reduce_kernel, (layout.grid,), args, kwargs
+
+
+# The plain callable, e.g. one_shot_all_reduce(x, group=g, epilogue=(("relu",),)): torch's
+# equivalent in SymmKernel.__call__ (every rank reads all W copies: one barrier).
+one_shot_all_reduce = SymmKernel("one_shot", one_shot_launch, one_shot_bytes, lamport=False)

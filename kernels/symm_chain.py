@@ -66,15 +66,15 @@ def encode_node(node, chain_value: str) -> ChainOp | None:
     return None
 
 
-def chain_arguments(ops: tuple, env: dict, dummy, prefix: str) -> dict:
-    """Keyword arguments for one chain slot set (`prefix` 'P' or 'E'), padded with NONE ops."""
-    args = {}
+def chain_arguments(ops: tuple, env: dict, dummy) -> tuple[tuple, tuple]:
+    """One chain as kernel arguments, padded with NONE ops: (scalar0, side0, scalar1, side1,
+    scalar2, side2) and the constexpr op codes (OP0, OP1, OP2)."""
+    values, codes = (), ()
     for i in range(MAX_CHAIN):
         op = ops[i] if i < len(ops) else ChainOp(NONE.value)
-        args[f"{prefix}_OP{i}"] = op.code
-        args[f"{prefix.lower()}_scalar{i}"] = float(op.scalar)
-        args[f"{prefix.lower()}_side{i}"] = env[op.side] if op.side is not None else dummy
-    return args
+        values += (float(op.scalar), env[op.side] if op.side is not None else dummy)
+        codes += (op.code,)
+    return values, codes
 
 
 @triton.jit
@@ -192,13 +192,17 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     over rows of `row_len`. The kernel writes `out` and, if given, `pre` (the value the norm
     normalises, i.e. the new residual); x stands in for the pointers a launch does not use.
     Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
-    bound once and reused with other tensors of the same shape (symm_algorithms.PreparedLaunch)."""
+    bound once and reused with other tensors of the same shape (scheduler/backends/symm.PreparedLaunch)."""
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
-    head = (x, out, x if pre is None else pre, x if weight is None else weight,
-            x if residual is None else residual, float(eps))
+    p_values, p_codes = chain_arguments(prologue, sides, x)
+    e_values, e_codes = chain_arguments(epilogue, sides, x)
+    # The kernels take x, then the prologue and the epilogue as tuples (symm_device): the
+    # epilogue's runtime part leads with its outputs and the norm's operands.
+    outputs = (out, x if pre is None else pre, x if weight is None else weight,
+               x if residual is None else residual, float(eps))
+    head = (x, p_values, outputs + e_values)
     kwargs = dict(
-        **chain_arguments(prologue, sides, x, "P"), **chain_arguments(epilogue, sides, x, "E"),
-        NORM=norm, WRITE_PRE=pre is not None, ITEM=layout.item, BLOCK=layout.block,
-        WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
-        ON_GPU=x.is_cuda, num_warps=layout.num_warps)
+        PROLOGUE=p_codes, EPILOGUE=e_codes + (norm, pre is not None), ITEM=layout.item,
+        BLOCK=layout.block, WORLD_SIZE=buffer.world_size,
+        WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
     return layout, head, kwargs

@@ -118,3 +118,11 @@ def poll(places, present, timeout_ns, anchor, ON_GPU: tl.constexpr):
                 _trap(anchor)
         values = tl.load(places, mask=present, other=0.0, volatile=True)
     return values
+
+
+@triton.jit
+def take(places, present, timeout_ns, anchor, ON_GPU: tl.constexpr):
+    """`poll`, then empty the places for a later call: what a Lamport reader does."""
+    values = poll(places, present, timeout_ns, anchor, ON_GPU)
+    tl.store(places, empty_like(values), mask=present)
+    return values

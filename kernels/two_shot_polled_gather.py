@@ -26,43 +26,35 @@ import triton
 import triton.language as tl
 
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
+from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, launch_layout
+from infini_dist.kernels.symm_device import (advance_epoch, call_half, finish_items, group_items,
+                                             program_items, reduce_items, scatter_items,
+                                             staging_targets)
 from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, block_barrier, peer_pointer
-from infini_dist.kernels.two_shot_all_reduce import (finish_items, group_items, reduce_items,
-                                                     scatter_items, staging_targets)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
 def two_shot_polled_gather_kernel(
-        x_ptr, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,
-        data_table, signal_table, epoch_ptr,
-        numel, half_stride, gather_offset, rank, timeout_ns,
-        p_scalar0, p_side0, p_scalar1, p_side1, p_scalar2, p_side2,
-        e_scalar0, e_side0, e_scalar1, e_side1, e_scalar2, e_side2,
-        P_OP0: tl.constexpr, P_OP1: tl.constexpr, P_OP2: tl.constexpr,
-        E_OP0: tl.constexpr, E_OP1: tl.constexpr, E_OP2: tl.constexpr,
-        NORM: tl.constexpr, WRITE_PRE: tl.constexpr,
+        x_ptr, prologue, epilogue, data_table, signal_table, epoch_ptr, numel, half_stride,
+        gather_offset, rank, timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
         ITEM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, SUB_BLOCK: tl.constexpr,
         GROUP: tl.constexpr, MAX_PROGRAMS: tl.constexpr, WORLD_SIZE: tl.constexpr,
         WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    first_item = pid.to(tl.int64)  # int64 loops: offsets of big tensors overflow int32
-    items = tl.cdiv(numel, ITEM).to(tl.int64)
+    pid, programs, first_item, items = program_items(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
-    calls = tl.load(epoch_ptr + pid)
+    calls, half = call_half(epoch_ptr, pid, half_stride)
     # A half: W staging slots of items * SUB elements; at gather_offset, the gathered copy.
-    half = (calls % 2).to(tl.int64) * half_stride
     stage_stride = items * SUB
     gathered = half + gather_offset
     local = peer_pointer(data_table, rank, dtype)
     staging_of, tile, tile_ok = staging_targets(data_table, half, rank, stage_stride, dtype,
                                                 ITEM, SUB, SUB_BLOCK, WORLD_SIZE, WS_P2)
-    scatter_items(x_ptr, staging_of, tile, tile_ok, first_item, items, programs, numel,
-                  P_OP0, p_scalar0, p_side0, P_OP1, p_scalar1, p_side1, P_OP2, p_scalar2,
-                  p_side2, ITEM, SUB, SUB_BLOCK, GROUP)
+    scatter_items(x_ptr, staging_of, tile, tile_ok, first_item, items, programs, numel, prologue,
+                  PROLOGUE, ITEM, SUB, SUB_BLOCK, GROUP)
     block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
 
+    # Phase 2 of a group beside phase 3 (polled) of the previous one.
     step = programs * GROUP
     previous_first = first_item
     previous_last = first_item  # no previous group yet
@@ -70,20 +62,14 @@ def two_shot_polled_gather_kernel(
         last = tl.minimum(first + step, items)
         reduce_items(data_table, local + half, stage_stride, gathered, rank, first, last,
                      programs, numel, dtype, ITEM, SUB, SUB_BLOCK, WORLD_SIZE, GROUP, True)
-        finish_items(local, gathered, previous_first, previous_last, programs, numel, out_ptr,
-                     pre_ptr, weight_ptr, residual_ptr, eps, E_OP0, e_scalar0, e_side0, E_OP1,
-                     e_scalar1, e_side1, E_OP2, e_scalar2, e_side2, NORM, WRITE_PRE, ITEM, BLOCK,
-                     GROUP, True, timeout_ns, rank, ON_GPU)
+        finish_items(local, gathered, previous_first, previous_last, programs, numel, epilogue,
+                     EPILOGUE, ITEM, BLOCK, GROUP, True, timeout_ns, rank, ON_GPU)
         previous_first = first
         previous_last = last
-    finish_items(local, gathered, previous_first, previous_last, programs, numel, out_ptr,
-                 pre_ptr, weight_ptr, residual_ptr, eps, E_OP0, e_scalar0, e_side0, E_OP1,
-                 e_scalar1, e_side1, E_OP2, e_scalar2, e_side2, NORM, WRITE_PRE, ITEM, BLOCK,
-                 GROUP, True, timeout_ns, rank, ON_GPU)
+    finish_items(local, gathered, previous_first, previous_last, programs, numel, epilogue,
+                 EPILOGUE, ITEM, BLOCK, GROUP, True, timeout_ns, rank, ON_GPU)
 
-    # Every slot s counts this call (see one_shot_all_reduce: later launches may use other grids).
-    slots = tl.arange(0, MAX_PROGRAMS)
-    tl.store(epoch_ptr + slots, calls + 1, mask=(slots % programs) == pid)
+    advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
 
 def polled_gather_bytes(numel: int, element_size: int, world_size: int, row_len=None,
@@ -110,3 +96,9 @@ def two_shot_polled_gather_launch(x, buffer, out, **options):
                   # (1024 tokens: 8 warps).
                   num_warps=max(4, min(16, group * layout.block // 1024)))
     return two_shot_polled_gather_kernel, (layout.grid,), args, kwargs
+
+
+# The plain callable (torch's equivalent in SymmKernel.__call__); its gathered copy is polled.
+two_shot_polled_gather_all_reduce = SymmKernel("two_shot_polled_gather",
+                                               two_shot_polled_gather_launch, polled_gather_bytes,
+                                               lamport=True)

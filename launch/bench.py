@@ -15,7 +15,7 @@ in this one run, max over ranks (a collective is as slow as its slowest rank):
   symm_one_shot     torch.ops.symm_mem.one_shot_all_reduce_copy + eager epilogue
   symm_two_shot     copy into a symmetric tensor + two_shot_all_reduce_ + eager epilogue
   cand:<choice>     every choice the engine generates for the site (cand:native included)
-  engine            executor_for(graph).run(...): the engine's committed choice
+  engine            executor_for(graph, settings).run(...): the engine's committed choice
 Writes a table on stdout, results.json and latency.png under --out, and lists every case where
 the engine row is above the native row by more than --noise. With --cpu-smoke it runs on gloo
 CPU ranks (no graphs, no symmetric memory) to check the script itself.
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import infini_dist
 from infini_dist.scheduler.choices import RunContext, native_choice
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
@@ -181,7 +182,7 @@ def peers(pattern, inputs, group, cuda, compile_peer):
 def engine_candidates(graph, inputs, group, device, native_inductor=False):
     """The engine's choices for the site of `graph`, precompiled, by name (with the native
     choice of a compiled site as `native_inductor`)."""
-    executor = executor_for(graph)
+    executor = executor_for(graph, infini_dist.config.snapshot())
     ctx = RunContext(group, dist.get_world_size(group), dist.get_rank(group), device)
     runner = executor.site_runners()[0]
     choices, meta, _ = runner.candidates(dict(inputs), ctx)

@@ -117,18 +117,21 @@ def unregister_algorithm(op_type: str, device_type: str, name: str) -> None:
     entries[:] = [a for a in entries if a.name != name]
 
 
+def _load_cuda() -> None:
+    from infini_dist.scheduler.backends import cuda  # noqa: F401 - registers on import
+
+
 # Backends whose algorithms register on import, loaded the first time their device is seen.
-BACKEND_MODULES = {"cuda": "infini_dist.kernels.cuda_algorithms"}
+BACKEND_LOADERS = {"cuda": _load_cuda}
 _loaded_backends: set[str] = set()
 
 
 def _load_backend(device_type: str) -> None:
-    if device_type in _loaded_backends or device_type not in BACKEND_MODULES:
+    if device_type in _loaded_backends or device_type not in BACKEND_LOADERS:
         return
     _loaded_backends.add(device_type)
-    import importlib
     try:
-        importlib.import_module(BACKEND_MODULES[device_type])
+        BACKEND_LOADERS[device_type]()
     except ImportError as error:
         import logging
         logging.getLogger("infini_dist").warning(

@@ -21,7 +21,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import infini_dist
 from infini_dist.config import Settings
 from infini_dist.scheduler import benchmark, buckets, data_plane, every_call, lockstep, report
 from infini_dist.scheduler.cache import DECISIONS, versions
@@ -398,9 +397,8 @@ class GraphExecutor:
 _EXECUTORS: dict[tuple, GraphExecutor] = {}
 
 
-def executor_for(graph: SubGraph, settings: Settings | None = None,
-                 compiled: bool = False) -> GraphExecutor:
-    settings = settings or infini_dist.config.snapshot()
+def executor_for(graph: SubGraph, settings: Settings, compiled: bool = False) -> GraphExecutor:
+    """The executor of `graph` under `settings` (the caller's infini_dist.config.snapshot())."""
     key = (graph, settings, compiled, generation())  # a re-registered op: built afresh
     executor = _EXECUTORS.get(key)
     if executor is None:

@@ -1,11 +1,11 @@
 """GPU checks of the symmetric-memory kernels, one process per GPU:
 
-    timeout 300 torchrun --nproc-per-node=2 tests/gpu_symm_worker.py [--quick]
+    timeout 300 torchrun --nproc-per-node=2 tests/gpu_symm_worker.py [--quick] [--only NAME|engine]
 
 Per kernel, pattern, shape and dtype: compile (scratch warm-up), three eager calls with fresh
 inputs against the unfused reference, bitwise equality across ranks; then CUDA-graph capture and
-replays with new inputs, back-to-back launches of different grids on one buffer, and the engine
-end to end. Prints 'ALL OK' last when everything passed; exits non-zero otherwise.
+replays with new inputs, back-to-back launches of different grids on one buffer, the kernel as
+a plain callable (symm_call.SymmKernel), and the engine end to end. Prints 'ALL OK' last when everything passed; exits non-zero otherwise.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from symm_cases import (PATTERNS, build, digest, full_span, make_inputs, max_error,  # noqa: E402
                         meta_of, reference)
 
+import infini_dist  # noqa: E402
 from infini_dist.kernels import symm_buffers  # noqa: E402
-from infini_dist.kernels.symm_algorithms import (LamportOneShotAllReduce,  # noqa: E402
-                                                 LamportTwoShotAllReduce, OneShotAllReduce,
-                                                 PolledGatherTwoShotAllReduce, TwoShotAllReduce)
 from infini_dist.scheduler.choices import RunContext  # noqa: E402
+from symm_runs import CALLABLE_CASES, by_callable, symm_algorithms  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 4e-3}
 failures = []
@@ -68,6 +67,20 @@ def check_eager(algorithm, pattern, shape, dtype, ctx):
         name = f"{algorithm.name} {pattern} {shape} {dtype} call {call}"
         check(error <= TOLERANCE[dtype], f"{name}: error {error:.3g}")
         check(same_everywhere(digest(got)), f"{name}: ranks differ")
+
+
+def check_callable(algorithm, ctx, shape=(7, 4096), dtype=torch.bfloat16):
+    """The kernel as a plain callable, on its own symmetric buffer of the world group."""
+    for pattern in CALLABLE_CASES:
+        graph = build(pattern)
+        for call in range(2):
+            everyone, local = inputs_for(graph, shape, dtype, call, ctx.world_size, ctx.rank,
+                                         ctx.device)
+            got = by_callable(algorithm.kernel, pattern, local)
+            error = max_error(got, reference(graph, everyone, ctx.rank))
+            name = f"callable {algorithm.name} {pattern} call {call}"
+            check(error <= TOLERANCE[dtype], f"{name}: error {error:.3g}")
+            check(same_everywhere(digest(got)), f"{name}: ranks differ")
 
 
 def check_graph_replay(algorithm, pattern, shape, dtype, ctx, replays=20):
@@ -111,7 +124,7 @@ def check_engine(ctx, dtype=torch.bfloat16):
         graph = build(pattern)
         everyone, local = inputs_for(graph, shape, dtype, 3, ctx.world_size, ctx.rank,
                                      ctx.device)
-        executor = executor_for(graph)
+        executor = executor_for(graph, infini_dist.config.snapshot())
         got = executor.run(local)
         record = executor.site_runners()[0].last_tuning
         if ctx.rank == 0:
@@ -127,13 +140,18 @@ def check_engine(ctx, dtype=torch.bfloat16):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--only", help="one registered symm algorithm by name, or 'engine'")
     args = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
     ctx = RunContext(None, dist.get_world_size(), dist.get_rank(), torch.device("cuda", rank))
-    algorithms = (OneShotAllReduce(), TwoShotAllReduce(), LamportOneShotAllReduce(),
-                  LamportTwoShotAllReduce(), PolledGatherTwoShotAllReduce())
+    registered = symm_algorithms()
+    if args.only not in (None, "engine", *registered):
+        raise SystemExit(f"--only {args.only}: registered are {sorted(registered)}")
+    algorithms = [a for name, a in sorted(registered.items()) if args.only in (None, name)]
+    big = {"two_shot": (8192, 4096), "two_shot_lamport": (1024, 4096),
+           "two_shot_polled_gather": (8192, 4096)}
     shapes = [(1, 4096), (7, 4096), (3, 4095)] if args.quick else \
         [(1, 4096), (7, 4096), (128, 4096), (3, 4095), (5, 200), (1000, 1024)]
     for algorithm in algorithms:
@@ -147,17 +165,21 @@ def main():
         for pattern in ("add_rms_norm", "swiglu", "prologue_gelu"):
             check_graph_replay(algorithm, pattern, (16, 4096), torch.bfloat16, ctx)
         check_mixed_grids(algorithm, ctx)
-    check_eager(TwoShotAllReduce(), "add_rms_norm", (8192, 4096), torch.bfloat16, ctx)
-    check_eager(LamportTwoShotAllReduce(), "add_rms_norm", (1024, 4096), torch.bfloat16, ctx)
-    check_eager(PolledGatherTwoShotAllReduce(), "add_rms_norm", (8192, 4096), torch.bfloat16, ctx)
-    check_engine(ctx)
-    # Last, since a failure traps the process: two-shot in rounds (phase 3 of a round beside
-    # phase 2 of the next), rows and chunks.
-    os.environ["INFINI_DIST_SYMM_ROUND_ITEMS"] = "4"
-    check_eager(TwoShotAllReduce(), "add_rms_norm", (1000, 1024), torch.bfloat16, ctx)
-    check_eager(TwoShotAllReduce(), "relu_scale", (2048, 4096), torch.bfloat16, ctx)
-    check_graph_replay(TwoShotAllReduce(), "add_rms_norm", (1000, 1024), torch.bfloat16, ctx)
-    del os.environ["INFINI_DIST_SYMM_ROUND_ITEMS"]
+        check_callable(algorithm, ctx)
+    for algorithm in algorithms:
+        if algorithm.name in big:
+            check_eager(algorithm, "add_rms_norm", big[algorithm.name], torch.bfloat16, ctx)
+    if args.only in (None, "engine"):
+        check_engine(ctx)
+    two_shot = registered["two_shot"]
+    if two_shot in algorithms:
+        # Last, since a failure traps the process: two-shot in rounds (phase 3 of a round
+        # beside phase 2 of the next), rows and chunks.
+        os.environ["INFINI_DIST_SYMM_ROUND_ITEMS"] = "4"
+        check_eager(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, ctx)
+        check_eager(two_shot, "relu_scale", (2048, 4096), torch.bfloat16, ctx)
+        check_graph_replay(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, ctx)
+        del os.environ["INFINI_DIST_SYMM_ROUND_ITEMS"]
     if rank == 0:
         print("buffers:", symm_buffers.cached_buffers(), flush=True)
     ok = same_everywhere(not failures) and not failures

@@ -1,5 +1,5 @@
 """Graphs, inputs and unfused references shared by the symmetric-memory kernel tests (CPU
-interpreter ranks in test_gpu_symm.py, real GPUs in gpu_symm_worker.py).
+interpreter ranks in symm_runs.py, real GPUs in gpu_symm_worker.py).
 
 Each case is an all_reduce site with its prologue and epilogue, fused at full depth. Inputs are
 random per rank and per call (never zeros); side tensors (residual, norm weight, swiglu up) are

@@ -14,7 +14,7 @@ def tune_once(rank, world_size):
     from infini_dist.scheduler.cache import DECISIONS
     from infini_dist.scheduler.engine import executor_for
     with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
-        executor = executor_for(ar_block_graph())
+        executor = executor_for(ar_block_graph(), infini_dist.config.snapshot())
         out = executor.run(inputs_for(rank))
         out = executor.run(inputs_for(rank))  # second call: committed choice, no tuning
     runner = executor.site_runners()[0]
@@ -81,10 +81,12 @@ def test_stale_version_is_ignored(tmp_path):
 
 def mismatched_shapes(rank, world_size):
     from infini_dist.scheduler.control import RankMismatchError
+    import infini_dist
     from infini_dist.scheduler.engine import executor_for
     rows = 4 if rank == 0 else 6
     try:
-        executor_for(ar_block_graph()).run(inputs_for(rank, rows=rows))
+        settings = infini_dist.config.snapshot()
+        executor_for(ar_block_graph(), settings).run(inputs_for(rank, rows=rows))
     except RankMismatchError as error:
         return str(error)
     return "no error"
@@ -105,7 +107,7 @@ def unusual_inputs(rank, world_size):
                       OpNode("scale", ("r",), ("out",), {"scale": 3.0})), ("x",), ("out",))
     results = {}
     with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1):
-        executor = executor_for(graph)
+        executor = executor_for(graph, infini_dist.config.snapshot())
         ints = torch.arange(12, dtype=torch.int64).reshape(3, 4) - 5 + rank
         results["int"] = executor.run({"x": ints})["out"]
         results["int_choice"] = executor.site_runners()[0]._committed

@@ -111,7 +111,7 @@ def failing_choices(rank, world_size):
     engine.timing_hook = lambda m: {n: (1e-9 if n.startswith("flaky") else t) for n, t in
                                     m.items()}
     with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1):
-        executor = engine.executor_for(ar_block_graph())
+        executor = engine.executor_for(ar_block_graph(), infini_dist.config.snapshot())
         out = executor.run(inputs_for(rank))
     record = executor.site_runners()[0].last_tuning
     act, _ = expected(world_size)
@@ -163,7 +163,7 @@ def racy_compiles(rank, world_size):
     for name in ("racy_a", "racy_b", "racy_c"):
         register_algorithm("all_reduce", "cpu", _RacyAlgorithm(name, state))
     with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1, max_autotune_threads=4):
-        executor = engine.executor_for(ar_block_graph())
+        executor = engine.executor_for(ar_block_graph(), infini_dist.config.snapshot())
         executor.run(inputs_for(rank))
     return executor.site_runners()[0].last_tuning["candidates"], state["calls"]
 
@@ -187,7 +187,7 @@ def absent_peer(rank, world_size):
             dist.barrier()
             return "skipped"
         try:
-            executor_for(ar_block_graph()).run(inputs_for(rank))
+            executor_for(ar_block_graph(), infini_dist.config.snapshot()).run(inputs_for(rank))
         except ControlPlaneError as error:
             dist.barrier()
             return str(error)

@@ -63,7 +63,7 @@ def engine_calls(monkeypatch):
     seen = []
     real = engine.executor_for
 
-    def spy(graph, settings=None):
+    def spy(graph, settings):
         seen.append(graph)
         return real(graph, settings)
     monkeypatch.setattr(engine, "executor_for", spy)

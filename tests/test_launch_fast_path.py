@@ -1,5 +1,5 @@
 """The fast launch path (`nt_runtime.FastLaunch`) of the symmetric-memory runners
-(`symm_algorithms.PreparedLaunch`) and of the ninetoothed chain kernels
+(`backends.symm.PreparedLaunch`) and of the ninetoothed chain kernels
 (`elementwise_chain.prepare`).
 
 Two halves:
@@ -40,12 +40,12 @@ SYMM_CASES = [("one_shot", "add_rms_norm", (3, 40), torch.float32),
 
 
 def _algorithm(kind):
-    from infini_dist.kernels.symm_algorithms import OneShotAllReduce, TwoShotAllReduce
-    return {"one_shot": OneShotAllReduce, "two_shot": TwoShotAllReduce}[kind]()
+    from symm_runs import symm_algorithms
+    return symm_algorithms()[kind]
 
 
 def _plan(kind, pattern, shape, dtype, world_size, rank):
-    from infini_dist.kernels.symm_algorithms import plan_span
+    from infini_dist.scheduler.backends.symm import plan_span
     graph = build(pattern)
     ctx = RunContext(None, world_size, rank, torch.device("cuda"))
     return graph, plan_span(full_span(graph), meta_of(graph, shape, dtype), ctx)
@@ -54,7 +54,7 @@ def _plan(kind, pattern, shape, dtype, world_size, rank):
 # ---- the interpreter: same outputs, fallback detected --------------------------------------------
 
 def _interpreted_symm_rank(rank, world_size, storages):
-    from infini_dist.kernels.symm_algorithms import PreparedLaunch
+    from infini_dist.scheduler.backends.symm import PreparedLaunch
     from infini_dist.kernels.symm_buffers import from_peer_tensors
     report = []
     for index, (kind, pattern, shape, dtype) in enumerate(SYMM_CASES):
@@ -225,9 +225,16 @@ def _stub_pool(home, record=True):
 def _described(launch, names: dict) -> tuple:
     """A recorded launch with tensors named by their address (`names`: address -> name)."""
     grid_and_stream, function, packed, metadata = launch[:4], launch[4], launch[5], launch[6]
-    args = tuple((names.get(a.data_ptr(), f"unknown@{a.data_ptr()}"), str(a.dtype))
-                 if isinstance(a, torch.Tensor) else a for a in launch[9:])
-    return grid_and_stream, function, packed, type(metadata).__name__, args
+    return grid_and_stream, function, packed, type(metadata).__name__, _named(launch[9:], names)
+
+
+def _named(value, names):
+    """`value` with every tensor, also inside tuple arguments, as (name, dtype)."""
+    if isinstance(value, torch.Tensor):
+        return names.get(value.data_ptr(), f"unknown@{value.data_ptr()}"), str(value.dtype)
+    if isinstance(value, tuple):
+        return tuple(_named(v, names) for v in value)
+    return value
 
 
 def _take_launch(names) -> tuple:
@@ -248,7 +255,7 @@ def _names(env, outputs, buffer) -> dict:
 def _stub_symm_checks():
     """In the stub process. Returns a list of (what, ok, detail)."""
     from infini_dist.kernels import nt_runtime
-    from infini_dist.kernels.symm_algorithms import PreparedLaunch
+    from infini_dist.scheduler.backends.symm import PreparedLaunch
     from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
     checks = []
     world_size, rank = 4, 1
@@ -381,8 +388,8 @@ def _timed(fn, number=300, repeat=7) -> float:
 def _stub_host_costs(shape=(1, 4096), dtype=torch.bfloat16) -> dict:
     """us per call of Python with the launch stubbed out (best of several timings)."""
     import torch.distributed as dist
-    from infini_dist.kernels.nccl_epilogue import NcclEpilogueAlgorithm
-    from infini_dist.kernels.symm_algorithms import PreparedLaunch
+    from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm
+    from infini_dist.scheduler.backends.symm import PreparedLaunch
     from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
     from test_nccl_epilogue_cpu import span_and_meta, tensors_for
     costs = {}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from infini_dist.kernels.chain import UnsupportedChain
-from infini_dist.kernels.nccl_epilogue import NcclEpilogueAlgorithm, plan
+from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm, plan
 from infini_dist.scheduler import ops
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
@@ -192,7 +192,7 @@ def _through_the_engine(rank):
     values = tensors_for("add_rms_norm_pair", (3, 37), torch.bfloat16)
     values["x"] = values["x"] * (rank + 1)
     with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1, enable_disk_cache=False):
-        executor = executor_for(graph)
+        executor = executor_for(graph, infini_dist.config.snapshot())
         executor.run(values)
         return executor.site_runners()[0].last_tuning["candidates"]
 

@@ -94,7 +94,7 @@ def matmul_site(rank, world_size):
                       OpNode("scale", ("d",), ("out",), {"scale": 2.0})), ("a", "b"), ("out",))
     a, b = sample(16, 32, seed=5), sample(32, 8, seed=6)
     with infini_dist.config.patch(benchmark_warmup=1, benchmark_reps=3):
-        executor = executor_for(graph)
+        executor = executor_for(graph, infini_dist.config.snapshot())
         out = executor.run({"a": a, "b": b})["out"]
     record = executor.site_runners()[0].last_tuning
     torch.testing.assert_close(out.double(), torch.relu(a.double() @ b.double()) * 2.0,

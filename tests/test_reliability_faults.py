@@ -325,7 +325,7 @@ def two_hosts(rank, world_size, hosts):
     os.environ["INFINI_DIST_HOST_ID"] = hosts[rank]
     with infini_dist.config.patch(tuning_timeout_s=TIMEOUT_S, benchmark_warmup=0,
                                   benchmark_reps=1):
-        executor = engine.executor_for(ar_block_graph())
+        executor = engine.executor_for(ar_block_graph(), infini_dist.config.snapshot())
         executor.run(inputs_for(rank))
     return executor.site_runners()[0].last_tuning["candidates"]
 
@@ -338,7 +338,7 @@ def test_nvlink_only_choices_need_one_host(hosts, offered):
 
 
 def test_symm_plan_refuses_a_group_over_hosts():
-    from infini_dist.kernels.symm_algorithms import plan_span
+    from infini_dist.scheduler.backends.symm import plan_span
     from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta
     from test_engine_consensus import ar_block_graph
     graph = ar_block_graph()

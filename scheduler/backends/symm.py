@@ -29,16 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from infini_dist.kernels import symm_buffers
+from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce
+from infini_dist.kernels.lamport_two_shot import lamport_two_shot_all_reduce
 from infini_dist.kernels.nt_runtime import FastLaunch, fast_launch_enabled
-from infini_dist.kernels.lamport_one_shot import lamport_one_shot_launch
-from infini_dist.kernels.lamport_two_shot import lamport_two_shot_bytes, lamport_two_shot_launch
-from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes, one_shot_launch
+from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.symm_chain import (ADD_RMS_NORM, MAX_CHAIN, MAX_ROW, NO_NORM, RMS_NORM,
                                             encode_node)
-from infini_dist.kernels.two_shot_all_reduce import two_shot_bytes, two_shot_launch
-from infini_dist.kernels.two_shot_polled_gather import (polled_gather_bytes,
-                                                        two_shot_polled_gather_launch)
+from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
+from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
 from infini_dist.scheduler import ops as op_registry
 from infini_dist.scheduler.choices import Algorithm
 
@@ -214,18 +213,20 @@ class PreparedLaunch:
         return self.plan.results(out, pre)
 
 
-class _SymmAllReduce(Algorithm):
-    name = "symm"
-    kind = ""
-    max_bytes = 0
-    lamport = False  # buffers start out empty (symm_buffers.fill_empty) and are kept apart by width
-    # launch_builder(x, buffer, out, **options) -> (kernel, grid, args, kwargs), e.g.
-    # one_shot_launch; buffer_bytes(numel, element_size, world_size, row_len, norm) -> bytes.
-    launch_builder = buffer_bytes = None
+class SymmAllReduce(Algorithm):
+    """The engine's choice `name`: one symm_call.SymmKernel (`kernel`) for spans of at most
+    `max_bytes`."""
+
+    def __init__(self, name: str, kernel, max_bytes: int):
+        self.name, self.kernel, self.max_bytes = name, kernel, max_bytes
+
+    @property
+    def kind(self) -> str:
+        return self.kernel.kind
 
     def data_bytes(self, plan: SpanPlan, world_size: int) -> int:
-        return self.buffer_bytes(plan.numel, plan.dtype.itemsize, world_size, plan.row_len,
-                                 plan.norm)
+        return self.kernel.data_bytes(plan.numel, plan.dtype.itemsize, world_size, plan.row_len,
+                                      plan.norm)
 
     def supports(self, span, meta, ctx) -> bool:
         plan = plan_span(span, meta, ctx)
@@ -233,7 +234,7 @@ class _SymmAllReduce(Algorithm):
 
     def launch_arguments(self, plan: SpanPlan, x, tensors: dict, buffer, out, pre):
         """(kernel, grid, args, kwargs) of the launch for `plan`, `tensors` by input name."""
-        return self.launch_builder(
+        return self.kernel.launch(
             x, buffer, out, prologue=plan.prologue, epilogue=plan.epilogue, sides=tensors,
             norm=plan.norm, weight=tensors[plan.weight] if plan.weight else None,
             residual=tensors[plan.residual] if plan.residual else None, eps=plan.eps,
@@ -268,47 +269,19 @@ class _SymmAllReduce(Algorithm):
         def run(env):
             prepared = state.get("prepared")
             if prepared is None:  # collective; the engine's first call is eager and in lockstep
-                width = plan.dtype.itemsize * 8 if self.lamport else 0
                 buffer = symm_buffers.get_buffer(ctx.group, ctx.device, self.kind, data_bytes,
-                                                 width)
+                                                 self.kernel.lamport_width(plan.dtype))
                 prepared = state["prepared"] = PreparedLaunch(self, plan, buffer, env)
             return prepared(env)
         return run
 
 
-class OneShotAllReduce(_SymmAllReduce):
-    name = kind = "one_shot"
-    max_bytes = ONE_SHOT_MAX_BYTES
-    launch_builder = staticmethod(one_shot_launch)
-    buffer_bytes = staticmethod(one_shot_bytes)
-
-
-class TwoShotAllReduce(_SymmAllReduce):
-    name = kind = "two_shot"
-    max_bytes = TWO_SHOT_MAX_BYTES
-    launch_builder = staticmethod(two_shot_launch)
-    buffer_bytes = staticmethod(two_shot_bytes)
-
-
-class LamportOneShotAllReduce(_SymmAllReduce):
-    name = kind = "one_shot_lamport"
-    max_bytes = ONE_SHOT_MAX_BYTES
-    lamport = True
-    launch_builder = staticmethod(lamport_one_shot_launch)
-    buffer_bytes = staticmethod(one_shot_bytes)  # the same two halves of W slots
-
-
-class LamportTwoShotAllReduce(_SymmAllReduce):
-    name = kind = "two_shot_lamport"
-    max_bytes = LAMPORT_TWO_SHOT_MAX_BYTES
-    lamport = True
-    launch_builder = staticmethod(lamport_two_shot_launch)
-    buffer_bytes = staticmethod(lamport_two_shot_bytes)
-
-
-class PolledGatherTwoShotAllReduce(_SymmAllReduce):
-    name = kind = "two_shot_polled_gather"
-    max_bytes = POLLED_GATHER_MAX_BYTES
-    lamport = True  # the gathered copy is polled
-    launch_builder = staticmethod(two_shot_polled_gather_launch)
-    buffer_bytes = staticmethod(polled_gather_bytes)
+def algorithms() -> list[SymmAllReduce]:
+    """One algorithm per kernel, under the names the engine's decisions are cached by."""
+    return [SymmAllReduce("one_shot", one_shot_all_reduce, ONE_SHOT_MAX_BYTES),
+            SymmAllReduce("two_shot", two_shot_all_reduce, TWO_SHOT_MAX_BYTES),
+            SymmAllReduce("one_shot_lamport", lamport_one_shot_all_reduce, ONE_SHOT_MAX_BYTES),
+            SymmAllReduce("two_shot_lamport", lamport_two_shot_all_reduce,
+                          LAMPORT_TWO_SHOT_MAX_BYTES),
+            SymmAllReduce("two_shot_polled_gather", two_shot_polled_gather_all_reduce,
+                          POLLED_GATHER_MAX_BYTES)]

@@ -1,0 +1,199 @@
+"""Device helpers of the symmetric-memory all-reduce kernels: the pieces every kernel file
+composes, so that each kernel reads as signature, phases, launch.
+
+- The program's share of the items (`program_items`, `item_range`, `item_group`): an item is a
+  row (when a norm follows) or a chunk of ITEM elements; program p owns items p, p + grid, ...
+- Call parity and the epoch (`call_half`, `advance_epoch`): kernels that reuse their buffer in
+  two halves pick the half from a per-program call counter kept on the device.
+- The push to peers (`push_to_peers`, and `push_items`, the one-shot kernels' first phase):
+  stores only, staggered so peers are not all hit at once.
+- The chains (`apply_prologue`, `finish`): the symm_chain ops, unpacked from the kernels' tuple
+  arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE = (OP0, OP1, OP2) and
+  EPILOGUE = (OP0, OP1, OP2, NORM, WRITE_PRE) constexpr, `prologue` = (scalar, side) x 3 and
+  `epilogue` = (out, pre, weight, residual, eps) + (scalar, side) x 3 (symm_chain.fused_arguments).
+- The two-shot phases over groups of items (`staging_targets`, `scatter_items`, `reduce_items`,
+  `finish_items`), shared by the barrier, Lamport and polled-gather two-shot kernels.
+
+Barriers and Lamport signalling are in symm_signal; op codes and layouts in symm_chain.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from infini_dist.kernels.symm_chain import apply_chain, finish_item
+from infini_dist.kernels.symm_signal import never_empty, peer_pointer, take
+
+
+@triton.jit
+def program_items(numel, ITEM: tl.constexpr):
+    """(pid, programs, first item, item count); items are int64, since offsets of big tensors
+    overflow int32."""
+    pid = tl.program_id(0)
+    return pid, tl.num_programs(0), pid.to(tl.int64), tl.cdiv(numel, ITEM).to(tl.int64)
+
+
+@triton.jit
+def item_range(item, column, numel, ITEM: tl.constexpr):
+    """Offsets of one item's elements along `column`, and which of them exist."""
+    index = item * ITEM + column
+    return index, (column < ITEM) & (index < numel)
+
+
+@triton.jit
+def item_group(start, last, programs, GROUP: tl.constexpr):
+    """Items start, start + programs, ... (GROUP of them), and which of them are < last."""
+    items = start + tl.arange(0, GROUP).to(tl.int64) * programs
+    return items, items < last
+
+
+@triton.jit
+def call_half(epoch_ptr, pid, half_stride):
+    """This program's call count and the offset of the half this call uses (its parity)."""
+    calls = tl.load(epoch_ptr + pid)
+    return calls, (calls % 2).to(tl.int64) * half_stride
+
+
+@triton.jit
+def advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS: tl.constexpr):
+    """Count this call. Every slot s (not only those below the grid) is advanced, by program
+    s % grid, so a later launch with another grid still reads the right parity."""
+    slots = tl.arange(0, MAX_PROGRAMS)
+    tl.store(epoch_ptr + slots, calls + 1, mask=(slots % programs) == pid)
+
+
+@triton.jit
+def push_to_peers(data_table, rank, offsets, values, mask, WORLD_SIZE: tl.constexpr):
+    """Store `values` at element `offsets` of every rank's data, this rank's included."""
+    for step in tl.static_range(WORLD_SIZE):
+        peer = (rank + step) % WORLD_SIZE  # staggered, so peers are not all hit at once
+        tl.store(peer_pointer(data_table, peer, values.dtype) + offsets, values, mask=mask)
+
+
+@triton.jit
+def apply_prologue(x, index, mask, chain, OPS: tl.constexpr, DTYPE: tl.constexpr):
+    """The prologue chain on fp32 `x`; every op rounds to DTYPE."""
+    return apply_chain(x, index, mask, OPS[0], chain[0], chain[1], OPS[1], chain[2], chain[3],
+                       OPS[2], chain[4], chain[5], DTYPE)
+
+
+@triton.jit
+def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr):
+    """symm_chain.finish_item (the epilogue chain, the norm, the stores) of the reduced `y`."""
+    finish_item(y, index, column, mask, epilogue[0], epilogue[1], epilogue[2], epilogue[3],
+                epilogue[4], OPS[0], epilogue[5], epilogue[6], OPS[1], epilogue[7], epilogue[8],
+                OPS[2], epilogue[9], epilogue[10], OPS[3], OPS[4], ITEM)
+
+
+@triton.jit
+def push_items(x_ptr, data_table, rank, offset, first, last, programs, numel, chain,
+               OPS: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
+               WORLD_SIZE: tl.constexpr, LAMPORT: tl.constexpr):
+    """The one-shot push: items first, first + programs, ... < last, prologue applied, to
+    element `offset` of every rank's data. LAMPORT: never store the empty pattern."""
+    dtype = x_ptr.dtype.element_ty
+    column = tl.arange(0, BLOCK)
+    for item in range(first, last, programs):
+        index, mask = item_range(item, column, numel, ITEM)
+        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+        x = apply_prologue(x, index, mask, chain, OPS, dtype).to(dtype)
+        if LAMPORT:
+            x = never_empty(x)
+        push_to_peers(data_table, rank, offset + index, x, mask, WORLD_SIZE)
+
+
+# ---- the two-shot phases, GROUP items at a time ----------------------------------------------
+
+@triton.jit
+def staging_targets(data_table, offset, rank, stage_stride, dtype: tl.constexpr,
+                    ITEM: tl.constexpr, SUB: tl.constexpr, SUB_BLOCK: tl.constexpr,
+                    WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr):
+    """Where phase 1 sends an item: owner q's staging slot `rank` (at element `offset` of its
+    data), and the [owner, sub-shard] tile of item offsets that goes there, with its mask."""
+    owners = tl.arange(0, WS_P2)
+    owner_ok = owners < WORLD_SIZE
+    sub = tl.arange(0, SUB_BLOCK)
+    staging_of = tl.load(data_table + owners, mask=owner_ok, other=0)
+    staging_of = tl.multiple_of(staging_of.to(tl.pointer_type(dtype)), 16) + offset
+    staging_of += rank * stage_stride
+    tile = owners[:, None] * SUB + sub[None, :]
+    tile_ok = owner_ok[:, None] & (sub < SUB)[None, :] & (tile < ITEM)
+    return staging_of, tile, tile_ok
+
+
+@triton.jit
+def scatter_items(x_ptr, staging_of, tile, tile_ok, first, last, programs, numel, chain,
+                  OPS: tl.constexpr, ITEM: tl.constexpr, SUB: tl.constexpr,
+                  SUB_BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Phase 1 for items first, first + programs, ... < last: GROUP items at a time move as a
+    [item, owner, sub-shard] tile (all their loads in flight together), row q to owner q."""
+    dtype = x_ptr.dtype.element_ty
+    sub = tl.arange(0, SUB_BLOCK)
+    for start in range(first, last, programs * GROUP):
+        items, valid = item_group(start, last, programs, GROUP)
+        index = items[:, None, None] * ITEM + tile[None, :, :]
+        mask = valid[:, None, None] & tile_ok[None, :, :] & (index < numel)
+        x = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+        x = apply_prologue(x, index, mask, chain, OPS, dtype)
+        places = staging_of[None, :, None] + (items[:, None] * SUB + sub[None, :])[:, None, :]
+        tl.store(places, x.to(dtype), mask=mask)
+
+
+@triton.jit
+def reduce_items(data_table, staging, stage_stride, gathered, rank, first, last, programs,
+                 numel, dtype: tl.constexpr, ITEM: tl.constexpr, SUB: tl.constexpr,
+                 SUB_BLOCK: tl.constexpr, WORLD_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                 LAMPORT: tl.constexpr):
+    """Phase 2: sum this rank's sub-shard over its staging slots (at `staging`) in rank order,
+    push it to every rank's gathered copy (at offset `gathered`); GROUP items at a time.
+    LAMPORT: the gathered copy is polled (symm_signal), so never store the empty pattern."""
+    sub = tl.arange(0, SUB_BLOCK)
+    owned = rank * SUB + sub
+    for start in range(first, last, programs * GROUP):
+        items, valid = item_group(start, last, programs, GROUP)
+        index = items[:, None] * ITEM + owned[None, :]
+        mask = valid[:, None] & ((sub < SUB) & (owned < ITEM))[None, :] & (index < numel)
+        places = staging + items[:, None] * SUB + sub[None, :]
+        total = tl.zeros([GROUP, SUB_BLOCK], dtype=tl.float32)
+        for source in tl.static_range(WORLD_SIZE):
+            total += tl.load(places + source * stage_stride, mask=mask, other=0.0).to(tl.float32)
+        reduced = total.to(dtype)
+        if LAMPORT:
+            reduced = never_empty(reduced)
+        push_to_peers(data_table, rank, gathered + index, reduced, mask, WORLD_SIZE)
+
+
+@triton.jit
+def finish_items(local, gathered, first, last, programs, numel, epilogue, OPS: tl.constexpr,
+                 ITEM: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                 LAMPORT: tl.constexpr, timeout_ns, rank, ON_GPU: tl.constexpr):
+    """Phase 3: the epilogue over whole items of the local gathered copy, GROUP at a time.
+    LAMPORT: wait for the items by polling them, and empty them after reading."""
+    column = tl.arange(0, BLOCK)[None, :]
+    for start in range(first, last, programs * GROUP):
+        items, valid = item_group(start, last, programs, GROUP)
+        index = items[:, None] * ITEM + column
+        mask = valid[:, None] & (column < ITEM) & (index < numel)
+        if LAMPORT:
+            y = take(local + gathered + index, mask, timeout_ns, rank, ON_GPU).to(tl.float32)
+        else:
+            y = tl.load(local + gathered + index, mask=mask, other=0.0).to(tl.float32)
+        finish(y, index, column, mask, epilogue, OPS, ITEM)
+
+
+# ---- host side ---------------------------------------------------------------------------------
+
+def group_items(items: int, grid: int) -> int:
+    """Items a program moves at once in each phase: more bytes in flight per program. One item
+    (8 KiB of bf16 at hidden 4096) leaves the copy latency-bound; on 4 H200s, add_rms_norm
+    x 4096 bf16 went 56.6 -> 54.0 us at 1024 tokens with 2, 364.5 -> 331.1 us at 8192 with 4
+    (8 at 8192 was slower again: 377 us, registers). INFINI_DIST_SYMM_GROUP_ITEMS=n > 0 forces n
+    (a power of two), the same on every rank."""
+    override = int(os.environ.get("INFINI_DIST_SYMM_GROUP_ITEMS", "0"))
+    if override > 0:
+        return triton.next_power_of_2(override)
+    per_program = triton.cdiv(items, grid)
+    return 4 if per_program >= 16 else 2 if per_program >= 4 else 1

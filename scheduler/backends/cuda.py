@@ -1,0 +1,32 @@
+"""Registers the GPU algorithms for all_reduce sites; the engine imports this on first CUDA use.
+
+Each backend is optional: one whose module fails to import (no ninetoothed, an old Triton) is left
+out with a warning, and the engine still has the native NCCL path and the other backends.
+"""
+
+import logging
+
+from infini_dist.scheduler.choices import register_algorithm
+
+log = logging.getLogger("infini_dist")
+
+
+def _nccl_epilogue():
+    from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm
+    return [NcclEpilogueAlgorithm()]
+
+
+def _symm():
+    from infini_dist.scheduler.backends.symm import algorithms
+    return algorithms()
+
+
+for backend in (_nccl_epilogue, _symm):
+    try:
+        algorithms = backend()
+    except Exception as error:  # noqa: BLE001 - a missing backend must not break the others
+        log.warning("infini_dist: GPU backend %s unavailable: %s", backend.__name__.strip("_"),
+                    error)
+        continue
+    for algorithm in algorithms:
+        register_algorithm("all_reduce", "cuda", algorithm)

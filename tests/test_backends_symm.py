@@ -1,0 +1,149 @@
+"""The engine's symmetric-memory algorithms (scheduler/backends/symm.py): span planning (what
+`supports` accepts), chain encoding, launch layouts, and every registered kernel at 8 interpreted
+ranks, and the engine choosing among them on GPUs (tests/gpu_symm_worker.py under torchrun).
+Each kernel's own tests, on GPUs too: tests/test_symm_<kernel file>.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infini_dist.kernels import symm_chain
+from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
+from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
+from infini_dist.scheduler.backends.symm import plan_span
+from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta
+from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+from symm_cases import PATTERNS, build, full_span, meta_of
+from symm_runs import algorithm_of, run_gpu_worker, run_interpreted, symm_algorithms
+
+CUDA4 = RunContext(None, 4, 1, torch.device("cuda", 1))
+
+
+def spans_at_every_depth(graph):
+    site = find_sites(graph)[0]
+    for p in range(len(site.prologue) + 1):
+        for e in range(len(site.epilogue) + 1):
+            yield p, e, FusedSpan(graph, site.prologue[len(site.prologue) - p:], site.anchors,
+                                  site.epilogue[:e])
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_every_depth_of_every_pattern_is_planned(pattern):
+    graph = build(pattern)
+    meta = meta_of(graph, (4, 64), torch.bfloat16)
+    for p, e, span in spans_at_every_depth(graph):
+        plan = plan_span(span, meta, CUDA4)
+        # add then rms_norm at depth 1 leaves `s` live, which we can write: all depths work.
+        assert plan is not None, (pattern, p, e)
+        assert set(plan.outputs) == set(span.outputs)
+        assert algorithm_of(one_shot_all_reduce).supports(span, meta, CUDA4)
+        assert algorithm_of(two_shot_all_reduce).supports(span, meta, CUDA4)
+
+
+def test_plan_of_add_rms_norm_names_both_outputs():
+    graph = build("add_rms_norm")
+    plan = plan_span(full_span(graph), meta_of(graph, (4, 64), torch.bfloat16), CUDA4)
+    assert (plan.norm, plan.out, plan.pre, plan.residual, plan.weight, plan.eps) == (
+        symm_chain.ADD_RMS_NORM.value, "n", "r", "res", "w", 1e-5)
+    plan = plan_span(full_span(build("prologue_norm")),
+                     meta_of(build("prologue_norm"), (4, 64), torch.float16), CUDA4)
+    assert plan.residual == "res" and [op.code for op in plan.prologue] == [
+        symm_chain.RELU.value] and [op.code for op in plan.epilogue] == [symm_chain.GELU.value]
+
+
+def _span(nodes, inputs, outputs):
+    graph = SubGraph(tuple(nodes), tuple(inputs), tuple(outputs))
+    return graph, full_span(graph)
+
+
+def _meta(shape=(4, 64), dtype=torch.bfloat16, device="cuda", **override):
+    def m(s=shape, d=dtype):
+        return TensorMeta(tuple(s), d, torch.device(device), True)
+    values = {n: m() for n in ("x", "y", "a", "b", "res", "up", "n", "r", "s", "z")}
+    values["w"] = m((shape[-1],))
+    values.update({k: m(*v) for k, v in override.items()})
+    return values
+
+
+def test_plan_rejects_what_the_kernels_cannot_do():
+    ar = OpNode("all_reduce", ("x",), ("y",))
+    cases = {
+        "y read twice": _span([ar, OpNode("mul", ("y", "y"), ("a",))], ["x"], ["a"]),
+        "intermediate live": _span([ar, OpNode("relu", ("y",), ("a",)),
+                                    OpNode("scale", ("a",), ("b",))], ["x"], ["a", "b"]),
+        "side produced in span": _span([ar, OpNode("relu", ("y",), ("a",)),
+                                        OpNode("add", ("a", "y"), ("b",))], ["x"], ["b"]),
+        "op after norm": _span([ar, OpNode("rms_norm", ("y", "w"), ("n",)),
+                                OpNode("relu", ("n",), ("a",))], ["x", "w"], ["a"]),
+    }
+    for why, (graph, span) in cases.items():
+        assert plan_span(span, _meta(), CUDA4) is None, why
+
+    graph, span = _span([ar, OpNode("add", ("y", "up"), ("a",))], ["x", "up"], ["a"])
+    assert plan_span(span, _meta(), CUDA4) is not None
+    assert plan_span(span, _meta(up=((64,), torch.bfloat16)), CUDA4) is None, "broadcast side"
+    assert plan_span(span, _meta(up=((4, 64), torch.float32)), CUDA4) is None, "mixed dtypes"
+    assert plan_span(span, _meta(dtype=torch.float64), CUDA4) is None, "fp64"
+    assert plan_span(span, _meta(dtype=torch.int32), CUDA4) is None, "int"
+    assert plan_span(span, _meta(device="cpu"), RunContext(None, 4, 1, torch.device("cpu"))) \
+        is None, "cpu"
+    assert plan_span(span, _meta(), RunContext(None, 1, 0, torch.device("cuda"))) is None
+
+    graph, span = _span([ar, OpNode("rms_norm", ("y", "w"), ("n",))], ["x", "w"], ["n"])
+    assert plan_span(span, _meta(), CUDA4) is not None
+    assert plan_span(span, _meta(w=((4, 64), torch.bfloat16)), CUDA4) is None, "2-d weight"
+    assert plan_span(span, _meta(shape=(2, 65536)), CUDA4) is None, "row too long"
+
+    coalesced = SubGraph((OpNode("all_reduce", ("x", "z"), ("y", "n")),), ("x", "z"), ("y", "n"))
+    site = find_sites(coalesced)[0]
+    assert plan_span(FusedSpan(coalesced, (), site.anchors, ()), _meta(), CUDA4) is None
+
+    graph, span = _span([ar], ["x"], ["y"])
+    big = _meta(shape=(2048, 4096))  # 16 MiB of bf16: two-shot only
+    assert not algorithm_of(one_shot_all_reduce).supports(span, big, CUDA4)
+    assert algorithm_of(two_shot_all_reduce).supports(span, big, CUDA4)
+
+
+def test_encode_node_covers_the_elementwise_ops():
+    enc = symm_chain.encode_node
+    assert enc(OpNode("gelu", ("y",), ("a",), {"approximate": "tanh"}), "y").code == \
+        symm_chain.GELU_TANH.value
+    assert enc(OpNode("gelu", ("y",), ("a",), {"approximate": "bogus"}), "y") is None
+    assert enc(OpNode("scale", ("y",), ("a",), {"scale": 3}), "y").scalar == 3.0
+    assert enc(OpNode("swiglu", ("y", "u"), ("a",)), "y") == symm_chain.ChainOp(
+        symm_chain.SWIGLU_GATE.value, 0.0, "u")
+    assert enc(OpNode("swiglu", ("g", "y"), ("a",)), "y").code == symm_chain.SWIGLU_UP.value
+    assert enc(OpNode("add", ("u", "y"), ("a",)), "y").side == "u"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8, 16])
+def test_layout_is_shape_only_and_fits(world_size):
+    for numel, row_len, norm in [(1, None, 0), (999, None, 0), (8 * 4096, None, 0),
+                                 (8192 * 4096, 4096, 2), (3 * 37, 37, 1), (130 * 8, 8, 2)]:
+        layout = symm_chain.launch_layout(numel, row_len, norm, world_size)
+        assert 1 <= layout.grid <= symm_chain.MAX_PROGRAMS
+        assert layout.sub % 16 == 0 and layout.sub * world_size >= layout.item
+        assert layout.block >= layout.item and layout.sub_block >= layout.sub
+    with pytest.raises(ValueError):
+        symm_chain.launch_layout(100, 7, 1, world_size)
+
+
+# ---- every kernel through the registry, interpreted and on GPUs ----------------------------------
+
+def test_every_kernel_interpreted_eight_ranks(monkeypatch):
+    # Tensor parallelism usually runs at 8: every kernel at W = 8 (a bf16 and an fp32 buffer).
+    # (Each kernel's own cases: tests/test_symm_<kernel>.py.)
+    names = sorted(symm_algorithms())
+    assert len(names) == 5, names
+    cases = [(name, pattern, shape, dtype) for name in names
+             for pattern, shape, dtype in (("add_rms_norm", (3, 40), torch.float32),
+                                           ("relu_scale", (2, 24), torch.bfloat16))]
+    run_interpreted(monkeypatch, 8, cases, data_bytes=1 << 16)
+
+
+@pytest.mark.multigpu
+def test_engine_picks_a_symm_kernel_on_gpus(tmp_path):
+    # Each kernel on GPUs: tests/test_symm_<kernel>.py; here the engine end to end.
+    run_gpu_worker(tmp_path, "--quick", "--only", "engine")

@@ -1,0 +1,32 @@
+"""kernels/symm_call.py: the plain callables refuse bad input with a clear error before any
+launch or buffer allocation (their numerics: tests/test_symm_<kernel>.py)."""
+
+import pytest
+import torch
+
+from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
+from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
+
+
+def _buffer(world_size=2, data_bytes=1 << 12):
+    return from_peer_tensors([torch.zeros(header_bytes(world_size) + data_bytes,
+                                          dtype=torch.uint8) for _ in range(world_size)], 0)
+
+
+@pytest.mark.parametrize("x, options, message", [
+    (torch.arange(6.0).view(2, 3).int(), {}, "float16, bfloat16 or float32"),
+    (torch.empty(0, 4), {}, "non-empty"),
+    (torch.randn(2, 4), {"prologue": (("cube",),)}, "unknown chain step 'cube'"),
+    (torch.randn(2, 4), {"epilogue": (("relu",),) * 4}, "at most 3 chain steps"),
+    (torch.randn(2, 4), {"epilogue": (("scale",),)}, "takes 1 operand"),
+    (torch.randn(2, 4), {"epilogue": (("relu", 2.0),)}, "takes 0 operand"),
+    (torch.randn(2, 4), {"epilogue": (("mul", torch.randn(4)),)}, "x's shape"),
+    (torch.randn(2, 4), {"epilogue": (("add", torch.randn(2, 4).half()),)}, "dtype"),
+    (torch.randn(2, 4), {"residual": torch.randn(2, 4)}, "a residual needs a weight"),
+    (torch.randn(2, 4), {"weight": torch.randn(3)}, "shape (4,)"),
+    (torch.randn(2, 4), {"weight": torch.randn(4), "residual": torch.randn(4)}, "residual"),
+    (torch.randn(64, 64), {}, "this call needs"),
+])
+def test_bad_input_raises_before_launch(x, options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        one_shot_all_reduce(x, buffer=_buffer(), **options)
