@@ -2,6 +2,13 @@
 
 Rendezvous goes through a file in a temp dir, so parallel tests (pytest -n) never fight over
 ports, and every run gets its own decision-cache dir unless the caller passes one.
+
+Ranks fork from a forkserver that has imported torch once (per pytest worker) instead of each
+starting a fresh interpreter: that import was most of a small multi-rank test's cost. Only
+modules that read no setting a test may vary are preloaded (not infini_dist, Dynamo, Inductor or
+Triton, which read environment variables on import); each rank then gets the caller's whole
+environment plus `env` before the test's function and arguments are unpickled, so a module they
+import sees the same settings a freshly spawned process would.
 """
 
 from __future__ import annotations
@@ -9,6 +16,8 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -20,16 +29,37 @@ SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _entry(rank, world_size, init_file, cache_dir, fn, args, queue, env, backend):
-    os.environ.update(env)
-    os.environ["INFINI_DIST_CACHE_DIR"] = cache_dir
+PRELOAD = ["torch", "torch.distributed"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process's forkserver starts
+    return ctx
+
+
+def _set_environ(environ: dict) -> dict:
+    os.environ.clear()
+    os.environ.update(environ)
+    return environ
+
+
+class _Environ(dict):
+    """A rank's whole environment. Passed first among the process arguments: unpickling it sets
+    os.environ (a forkserver child starts with the forkserver's), before unpickling the function
+    and its arguments imports the test's module."""
+
+    def __reduce__(self):
+        return _set_environ, (dict(self),)
+
+
+def _entry(environ, rank, world_size, init_file, cache_dir, fn, args, queue, backend):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
         options = {}
         if backend == "nccl":
-            os.environ.update(SAFE_GPU_ENV)
             torch.cuda.set_device(rank)
             options["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
@@ -60,13 +90,15 @@ def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
     `fn(rank, world_size, *args)` must be a module-level function (it is pickled). With
     backend="nccl", rank r runs on cuda:r. With partial=True a rank that exits without a result
     (a fault test kills it) gives None instead, once the others have reported."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = cache_dir or os.path.join(tmp, "cache")
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, cache_dir, fn, args,
-                                                  queue, dict(env or {}), backend))
+        environ = _Environ({**os.environ, **(env or {}), "INFINI_DIST_CACHE_DIR": cache_dir,
+                            **(SAFE_GPU_ENV if backend == "nccl" else {})})
+        procs = [ctx.Process(target=_entry, args=(environ, r, world_size, init_file, cache_dir,
+                                                  fn, args, queue, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -104,3 +136,14 @@ def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
         raise RuntimeError("rank failures:\n" + "\n".join(f"[rank {r}] {v}"
                                                           for r, v in sorted(errors.items())))
     return [pickle.loads(results[r][1]) if r in results else None for r in range(world_size)]
+
+
+def run_cli(tmp_path, *argv: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """`infini-dist <argv>` in a subprocess (torchrun under it for --nproc), with short tuning
+    and its own decision and Inductor caches under `tmp_path`; `env` adds or overrides."""
+    environ = dict(os.environ, INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"),
+                   INFINI_DIST_BENCHMARK_REPS="2", INFINI_DIST_BENCHMARK_WARMUP="1",
+                   TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+                   TORCHINDUCTOR_COMPILE_THREADS="1", **env)
+    return subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", *argv], env=environ,
+                          capture_output=True, text=True, timeout=timeout)

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -20,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' TP loading needs it
 
 from infini_dist.launch import bench_hf  # noqa: E402
+from multirank import run_cli  # noqa: E402
 
 TINY = ["--layers", "1", "--hidden", "64", "--mlp", "128", "--heads", "4", "--kv-heads", "2",
         "--vocab", "256", "--context", "8", "--batches", "2", "--prefill", "16", "--iters", "2",
@@ -28,14 +26,9 @@ TINY = ["--layers", "1", "--hidden", "64", "--mlp", "128", "--heads", "4", "--kv
 
 def test_cpu_smoke_llama_tp(tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-               INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"), INFINI_DIST_BENCHMARK_REPS="2",
-               INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_COMPILE_THREADS="1",
-               HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "bench", "--hf", "llama",
-                          "--nproc", "2", "--cpu-smoke", *TINY, "--variants", "infini_dist,eager",
-                          "--profile", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=400)
+    run = run_cli(tmp_path, "bench", "--hf", "llama", "--nproc", "2", "--cpu-smoke", *TINY,
+                  "--variants", "infini_dist,eager", "--profile", "--out", str(out), timeout=400,
+                  HF_HUB_OFFLINE="1")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     data = json.loads((out / "results.json").read_text())

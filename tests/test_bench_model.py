@@ -10,9 +10,6 @@ run with one decode batch size and one prefill.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ import torch.nn.functional as F
 
 from infini_dist.launch import bench_model, tp_decoder
 from infini_dist.launch.tp_decoder import ModelConfig, Shape
+from multirank import run_cli
 
 TINY = ["--layers", "2", "--hidden", "32", "--mlp", "64", "--heads", "4", "--kv-heads", "2",
         "--context", "8", "--batches", "2", "--prefill", "4", "--iters", "2"]
@@ -27,12 +25,8 @@ TINY = ["--layers", "2", "--hidden", "32", "--mlp", "64", "--heads", "4", "--kv-
 
 def test_cpu_smoke_runs_the_whole_flow(tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-               INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"), INFINI_DIST_BENCHMARK_REPS="2",
-               INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_COMPILE_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "bench", "--model",
-                          "--nproc", "2", "--cpu-smoke", *TINY, "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=240)
+    run = run_cli(tmp_path, "bench", "--model", "--nproc", "2", "--cpu-smoke", *TINY,
+                  "--out", str(out), timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     data = json.loads((out / "results.json").read_text())

@@ -4,11 +4,9 @@ check. The GPU sweep cannot run here; --cpu-smoke runs the whole script on 2 glo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from infini_dist.launch import bench
+from multirank import run_cli
 
 
 def _row(impl, graph, eager, pattern="swiglu", tokens=16):
@@ -29,12 +27,9 @@ def test_above_native_lists_only_engine_rows_slower_than_native_beyond_noise():
 
 def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"),
-               INFINI_DIST_BENCHMARK_REPS="2", INFINI_DIST_BENCHMARK_WARMUP="1")
-    run = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "bench", "--nproc", "2",
-                          "--cpu-smoke", "--tokens", "2", "--hidden", "32", "--patterns",
-                          "add_rms_norm", "--trials", "2", "--replays", "2", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=240)
+    run = run_cli(tmp_path, "bench", "--nproc", "2", "--cpu-smoke", "--tokens", "2", "--hidden",
+                  "32", "--patterns", "add_rms_norm", "--trials", "2", "--replays", "2", "--out",
+                  str(out), timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     impls = {r["impl"] for r in data["rows"]}

@@ -5,13 +5,11 @@ backward (input-gradient all_reduces with their epilogues) sites."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from infini_dist.launch import bench_train
+from multirank import run_cli
 
 TINY = ["--device", "cpu", "--tokens", "16", "--steps", "3", "--warmup", "1", "--layers", "1",
         "--hidden", "32", "--mlp", "64", "--heads", "4", "--kv-heads", "2"]
@@ -19,12 +17,8 @@ TINY = ["--device", "cpu", "--tokens", "16", "--steps", "3", "--warmup", "1", "-
 
 def test_train_bench_runs_small_on_cpu(tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-               INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"), INFINI_DIST_BENCHMARK_REPS="2",
-               INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_COMPILE_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "bench", "--train",
-                          "--nproc", "2", *TINY, "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=400)
+    run = run_cli(tmp_path, "bench", "--train", "--nproc", "2", *TINY, "--out", str(out),
+                  timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["world_size"] == 2 and data["meta"]["dtype"] == "float32"

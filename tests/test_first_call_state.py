@@ -85,20 +85,16 @@ def _stub_kept_tensors():
     from infini_dist.kernels.elementwise_chain import prepare
     from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm
     from infini_dist.scheduler.backends.symm import PreparedLaunch
-    from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
     from infini_dist.scheduler.choices import RunContext
     from symm_cases import make_inputs
-    from test_launch_fast_path import SYMM_CASES, _algorithm, _chain_cases, _chain_inputs, _plan
+    from test_launch_fast_path import SYMM_CASES, _chain_cases, _chain_inputs, _stub_symm_case
     from test_nccl_epilogue_cpu import span_and_meta, tensors_for
 
     report = []
     world_size, rank = 4, 1
     for kind, pattern, shape, dtype in SYMM_CASES:
-        algorithm = _algorithm(kind)
-        graph, plan = _plan(kind, pattern, shape, dtype, world_size, rank)
-        buffer = from_peer_tensors([torch.zeros(header_bytes(world_size) + (1 << 16),
-                                                dtype=torch.uint8) for _ in range(world_size)],
-                                   rank)
+        algorithm, graph, plan, buffer = _stub_symm_case(kind, pattern, shape, dtype,
+                                                         world_size, rank)
         first = make_inputs(graph, shape, dtype, rank, 0)
         prepared = PreparedLaunch(algorithm, plan, buffer, first)
         first_refs = [weakref.ref(t) for t in first.values()]

@@ -51,6 +51,16 @@ def _plan(kind, pattern, shape, dtype, world_size, rank):
     return graph, plan_span(full_span(graph), meta_of(graph, shape, dtype), ctx)
 
 
+def _stub_symm_case(kind, pattern, shape, dtype, world_size=4, rank=1):
+    """(algorithm, graph, plan, buffer) of a SYMM_CASES entry in the stub process, where the
+    peers' buffers are plain host tensors: launches there only record their arguments."""
+    from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
+    graph, plan = _plan(kind, pattern, shape, dtype, world_size, rank)
+    buffer = from_peer_tensors([torch.zeros(header_bytes(world_size) + (1 << 16),
+                                            dtype=torch.uint8) for _ in range(world_size)], rank)
+    return _algorithm(kind), graph, plan, buffer
+
+
 # ---- the interpreter: same outputs, fallback detected --------------------------------------------
 
 def _interpreted_symm_rank(rank, world_size, storages):
@@ -256,17 +266,12 @@ def _stub_symm_checks():
     """In the stub process. Returns a list of (what, ok, detail)."""
     from infini_dist.kernels import nt_runtime
     from infini_dist.scheduler.backends.symm import PreparedLaunch
-    from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
     checks = []
-    world_size, rank = 4, 1
+    rank = 1
     for kind, pattern, shape, dtype in SYMM_CASES + [("two_shot", "add_rms_norm", (2, 64),
                                                       torch.bfloat16)]:
         what = f"{kind} {pattern} {shape} {dtype}"
-        algorithm = _algorithm(kind)
-        graph, plan = _plan(kind, pattern, shape, dtype, world_size, rank)
-        buffer = from_peer_tensors([torch.zeros(header_bytes(world_size) + (1 << 16),
-                                                dtype=torch.uint8) for _ in range(world_size)],
-                                   rank)
+        algorithm, graph, plan, buffer = _stub_symm_case(kind, pattern, shape, dtype, rank=rank)
         env = make_inputs(graph, shape, dtype, rank, 0)
         got = algorithm.launch(plan, env, buffer)
         normal = _take_launch(_names(env, got, buffer))
@@ -311,7 +316,6 @@ def _stub_symm_checks():
 
     # Feature detection: no usable CompiledKernel, or switched off -> the normal path for good.
     kind, pattern, shape, dtype = SYMM_CASES[0]
-    graph, plan = _plan(kind, pattern, shape, dtype, world_size, rank)
     for why in ("no CompiledKernel launcher", "INFINI_DIST_FAST_LAUNCH=0"):
         saved = nt_runtime._compiled_kernel_type
         if why.startswith("no"):
@@ -319,11 +323,9 @@ def _stub_symm_checks():
         else:
             os.environ["INFINI_DIST_FAST_LAUNCH"] = "0"
         try:
-            buffer = from_peer_tensors([torch.zeros(header_bytes(world_size) + (1 << 16),
-                                                    dtype=torch.uint8)
-                                        for _ in range(world_size)], rank)
+            algorithm, graph, plan, buffer = _stub_symm_case(kind, pattern, shape, dtype,
+                                                             rank=rank)
             env = make_inputs(graph, shape, dtype, rank, 0)
-            algorithm = _algorithm(kind)
             normal = _take_launch(_names(env, algorithm.launch(plan, env, buffer), buffer))
             prepared = PreparedLaunch(algorithm, plan, buffer, env)
             runs = NORMAL_RUNS[0]
