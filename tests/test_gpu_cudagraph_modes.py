@@ -185,15 +185,18 @@ def _rank(rank, world_size, llama_path):
             def fail(medians):
                 raise RuntimeError("injected tuning failure")
             engine.timing_hook = fail
+            # 3x16 tokens: a bucket (<= 64) no earlier step decided. The llama steps share the
+            # decoder's site graph (hidden 1024), so their decisions would serve a smaller count
+            # without tuning, and the injected failure would never run.
             try:
-                compiled(x_for(3, 1))
+                compiled(x_for(3, 16))
                 raised = None
             except RuntimeError as error:
                 raised = str(error)[:200]
             finally:
                 engine.timing_hook = None
             plain_after = _plain_check(mlp, plain, device, 5)
-            x = x_for(3, 1)
+            x = x_for(3, 16)
             ours_after = max(_rel(compiled(x).clone(), model(x, eager_nccl=True))
                              for _ in range(3))
             return {"raised": raised, "plain_after": plain_after, "ours_after": ours_after}
