@@ -47,7 +47,8 @@ class IROp:
 
 
 @dataclass
-class Site:
+class FxSite:
+    """One match in an FX graph: fx nodes, not the engine's scheduler/ir.Site indices."""
     anchors: list
     prologue_of: list  # per anchor, its prologue ops, producer first
     epilogue: list = field(default_factory=list)
@@ -273,7 +274,7 @@ def _exposed_op(match) -> IROp | None:
                 frozenset())
 
 
-def _epilogue(g: GraphIndex, site: Site, depth: int) -> None:
+def _epilogue(g: GraphIndex, site: FxSite, depth: int) -> None:
     live = {n for a in site.anchors for n in a.outputs if n is not None}
     region = site.nodes
     keys = {_key(n) for n in live if _is_tensor(n)}
@@ -308,7 +309,7 @@ def _depth(epilogue: list) -> int:
     return sum(1 for op in epilogue if op.nodes)  # an exposed value is no op of its own
 
 
-def _pop_epilogue(site: Site) -> None:
+def _pop_epilogue(site: FxSite) -> None:
     """Drop the last epilogue op; an exposed value goes with the op whose nodes compute it."""
     while site.epilogue and not site.epilogue.pop().nodes:
         pass
@@ -348,12 +349,12 @@ def _coalesce(g: GraphIndex, first: IROp) -> list:
         group.append(candidate)
 
 
-def insertion_point(g: GraphIndex, site: Site) -> fx.Node:
+def insertion_point(g: GraphIndex, site: FxSite) -> fx.Node:
     compute = [n for op in site.ops for n in op.nodes - op.projections]
     return max(compute, key=g.order.get)
 
 
-def _fits(g: GraphIndex, site: Site) -> bool:
+def _fits(g: GraphIndex, site: FxSite) -> bool:
     nodes = site.nodes
     last = g.order[insertion_point(g, site)]
     for op in site.ops:
@@ -365,7 +366,7 @@ def _fits(g: GraphIndex, site: Site) -> bool:
                    for n in g.nodes[first + 1:last])
 
 
-def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> Site:
+def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> FxSite:
     """The site around `anchor`, as large as the flags allow and the graph permits."""
     types = settings.custom_op_fusion_types
     depth = settings.max_fusion_depth
@@ -377,7 +378,7 @@ def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> Site:
         chain = _prologue(a, region, depth) if is_all_reduce and "prologue" in types else []
         prologue_of.append(chain)
         region = region | frozenset(n for op in chain for n in op.nodes)
-    site = Site(anchors, prologue_of)
+    site = FxSite(anchors, prologue_of)
     if "epilogue" in types and depth > 0:
         _epilogue(g, site, depth)
     while not _fits(g, site):
