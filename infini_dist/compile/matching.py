@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from infini_dist.config import Settings
 from infini_dist.scheduler import ops as op_registry
-from infini_dist.compile import patterns
+from infini_dist.compile import fx_patterns
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -176,7 +176,7 @@ def _key(node):
     return (val.dtype, val.dim(), val.device.type)
 
 
-def _ir_op(match: patterns.Match, first: fx.Node | None) -> IROp | None:
+def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> IROp | None:
     """The IR op for a match; a commutative op takes `first` as its first input. The IR refs
     round to input 0's dtype, so the graph's result must have that dtype."""
     inputs = list(match.inputs)
@@ -210,10 +210,10 @@ def _prologue(anchor: IROp, region: frozenset, depth: int) -> list:
                 or any(u not in consumer_nodes for u in value.users)):
             break
         found = []
-        for template in patterns.templates(*_key(value)):
+        for template in fx_patterns.templates(*_key(value)):
             if not op_registry.may_fuse(template.form.op_type, "prologue"):
                 continue
-            match = patterns.match_at(template, value)
+            match = fx_patterns.match_at(template, value)
             if match is not None and not match.nodes & region:
                 found.append(match)
         match = max(found, key=lambda m: len(m.nodes), default=None)
@@ -278,12 +278,12 @@ def _epilogue(g: GraphIndex, site: FxSite, depth: int) -> None:
     live = {n for a in site.anchors for n in a.outputs if n is not None}
     region = site.nodes
     keys = {_key(n) for n in live if _is_tensor(n)}
-    reach = max((t.size for k in keys for t in patterns.templates(*k)), default=1)
+    reach = max((t.size for k in keys for t in fx_patterns.templates(*k)), default=1)
     while True:
         found = []
         for node in sorted(_candidates(live, region, reach), key=g.order.get):
-            for template in (t for key in keys for t in patterns.templates(*key)):
-                match = patterns.match_at(template, node)
+            for template in (t for key in keys for t in fx_patterns.templates(*key)):
+                match = fx_patterns.match_at(template, node)
                 op = _epilogue_op(g, match, live, region) if match is not None else None
                 if op is not None:
                     found.append((match, op))
