@@ -264,7 +264,7 @@ def test_enable_cache_false_decides_every_time(engine_calls):
 
 
 def test_register_op_goes_to_the_global_registry():
-    from infini_dist.scheduler.ops import get_op
+    from infini_dist.scheduler.op_registry import get_op
     scheduler = FusionScheduler()
     spec = get_op(OP)
     assert spec.kind == "custom" and set(spec.implementations) == {"fast", "flaky"}

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from infini_dist.config import Settings
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.compile import fx_patterns
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default

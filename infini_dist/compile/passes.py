@@ -53,7 +53,7 @@ def _source_hash() -> str:
     package = Path(__file__).parent
     scheduler = Path(infini_dist.scheduler.ir.__file__).parent
     h = hashlib.sha256()
-    for path in sorted(package.glob("*.py")) + [scheduler / "ir.py", scheduler / "ops.py"]:
+    for path in sorted(package.glob("*.py")) + [scheduler / "ir.py", scheduler / "op_registry.py"]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()

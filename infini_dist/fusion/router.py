@@ -25,7 +25,7 @@ import infini_dist
 from infini_dist.config import AUTO, FLAGS, Settings
 from infini_dist.fusion.agreement import agree_route, route_key
 from infini_dist.scheduler import choices, engine, every_call
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.control import ControlPlaneError, control_plane
 from infini_dist.scheduler.ir import SubGraph, as_names, is_anchor
 
@@ -233,7 +233,7 @@ class FusionScheduler:
                             settings)
 
     def register_op(self, name: str, fn, **kw):
-        """Register an op in the global registry (see infini_dist.scheduler.ops.register_op)."""
+        """Register an op in the global registry (see scheduler/op_registry.register_op)."""
         spec = op_registry.register_op(name, fn, **kw)
         with self._lock:
             self._routes.clear()  # a re-registered op may have become an anchor
