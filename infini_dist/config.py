@@ -8,6 +8,7 @@ is validated when set. `INFINI_DIST_<NAME>` in the environment sets the starting
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import sys
 import types
@@ -19,21 +20,27 @@ _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
 
 
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+# The value validators, shared with FusionConfig (fusion/router.py): a wrong type raises
+# TypeError, a value out of range ValueError, as torch does.
+def _int_at_least(minimum, name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
-def _nonneg_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value
+def check_positive_int(name, value):
+    return _int_at_least(1, name, value)
 
 
-def _bool(name, value):
+def check_nonneg_int(name, value):
+    return _int_at_least(0, name, value)
+
+
+def check_bool(name, value):
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
 
 
@@ -60,7 +67,7 @@ def _fusion_types(name, value):
     return tuple(t for t in FUSION_TYPES if t in value)  # canonical order, no duplicates
 
 
-def _agree_mode(name, value):
+def check_agree_mode(name, value):
     if isinstance(value, bool) or value == AUTO:
         return value
     raise ValueError(f"{name} must be True, False or {AUTO!r}, got {value!r}")
@@ -77,7 +84,8 @@ def _token_buckets(name, value):
     if isinstance(value, (str, int)):
         value = (value,)
     try:
-        bounds = tuple(_positive_int(name, int(v) if isinstance(v, str) else v) for v in value)
+        bounds = tuple(check_positive_int(name, int(v) if isinstance(v, str) else v)
+                       for v in value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be increasing ints >= 1, got {value!r}") from None
     if any(b <= a for a, b in zip(bounds, bounds[1:])):
@@ -87,23 +95,23 @@ def _token_buckets(name, value):
 
 # name -> (default, validator)
 FLAGS = {
-    "enable_custom_op_fusion": (True, _bool),
+    "enable_custom_op_fusion": (True, check_bool),
     "custom_op_fusion_types": (FUSION_TYPES, _fusion_types),
-    "enable_recursive_fusion": (True, _bool),
-    "max_fusion_depth": (3, _nonneg_int),
+    "enable_recursive_fusion": (True, check_bool),
+    "max_fusion_depth": (3, check_nonneg_int),
     "fusion_speedup_threshold": (1.0, _threshold),
-    "max_autotune_threads": (4, _positive_int),
-    "benchmark_warmup": (3, _nonneg_int),
-    "benchmark_reps": (10, _positive_int),
-    "benchmark_cuda_graphs": (True, _bool),
+    "max_autotune_threads": (4, check_positive_int),
+    "benchmark_warmup": (3, check_nonneg_int),
+    "benchmark_reps": (10, check_positive_int),
+    "benchmark_cuda_graphs": (True, check_bool),
     "tuning_timeout_s": (300.0, _positive_float),
     "cache_dir": ("~/.cache/infini_dist", _path),
-    "enable_disk_cache": (True, _bool),
-    "debug_mode": (False, _bool),
+    "enable_disk_cache": (True, check_bool),
+    "debug_mode": (False, check_bool),
     "token_buckets": ((), _token_buckets),
-    "max_token_bucket": (8192, _positive_int),
-    "tune_at_request_time": (True, _bool),
-    "agree_every_call": (AUTO, _agree_mode),
+    "max_token_bucket": (8192, check_positive_int),
+    "tune_at_request_time": (True, check_bool),
+    "agree_every_call": (AUTO, check_agree_mode),
 }
 
 

@@ -19,7 +19,7 @@ import functools
 import torch
 
 from infini_dist import ops
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.ir import SubGraph
 
 

@@ -32,6 +32,8 @@ NUM_RESULTS = {"add_rms_norm": 2}
 WEIGHT_OPERAND = {"rms_norm": 1, "add_rms_norm": 2}
 DEFAULT_ATTRS = {"scale": {"scale": 1.0}, "gelu": {"approximate": "none"},
                  "rms_norm": {"eps": 1e-6}, "add_rms_norm": {"eps": 1e-6}}
+# The one list of gelu approximations; it lives here, not in gelu.py, because this module (and
+# the seed API that imports it) must stay importable without Triton.
 GELU_APPROXIMATIONS = ("none", "tanh")
 
 

@@ -10,9 +10,8 @@ import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
 from infini_dist.kernels import nt_runtime
+from infini_dist.kernels.chain import GELU_APPROXIMATIONS
 from infini_dist.kernels.rows import arrangement, run_elementwise, tiled_premake
-
-APPROXIMATIONS = ("none", "tanh")
 
 
 def gelu_erf_fp32(x):
@@ -36,8 +35,9 @@ def tanh_application(input, output):
 
 
 def check_approximate(approximate):
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"gelu: approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"gelu: approximate must be one of {GELU_APPROXIMATIONS}, "
+                         f"got {approximate!r}")
 
 
 def premake(block_m, block_n, approximate="none"):

@@ -4,8 +4,8 @@ A chain is up to three ops, each an op code (constexpr), a scalar and a side-ten
 is the same encoding for the prologue (applied to the local input as it is pushed into symmetric
 memory) and for the epilogue (applied to the reduced value). Every op computes in fp32 and
 rounds once to the tensor dtype, which is exactly what the unfused references in
-`scheduler/ops.py` do, so a fused chain and the unfused graph agree to the last bit wherever the
-transcendental functions agree.
+`scheduler/op_registry.py` do, so a fused chain and the unfused graph agree to the last bit wherever
+the transcendental functions agree.
 
 Unfused equivalent of an epilogue `relu, scale(s)` followed by add_rms_norm:
     y = all_reduce(x); y = relu(y); y = y * s

@@ -1,7 +1,7 @@
 """The engine: IR, boundaries, choice generation, cross-rank benchmark, commit and cache."""
 
 from infini_dist.scheduler.ir import OpNode, Site, SubGraph, find_sites
-from infini_dist.scheduler.ops import get_op, register_op
+from infini_dist.scheduler.op_registry import get_op, register_op
 from infini_dist.scheduler.choices import (Algorithm, Choice, FusedSpan, RunContext, TensorMeta,
                                            algorithms_for, generate_choices, register_algorithm)
 from infini_dist.scheduler.engine import GraphExecutor, TuningError, executor_for

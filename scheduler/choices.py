@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, live_outputs
 
 

@@ -31,7 +31,7 @@ from infini_dist.scheduler.control import ControlPlane, control_plane
 from infini_dist.scheduler.data_plane import describe
 from infini_dist.scheduler.lockstep import TuningError
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
-from infini_dist.scheduler.ops import close_enough, generation
+from infini_dist.scheduler.op_registry import close_enough, generation
 from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.shapes import site_meta
 

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 
 _ATTR_TYPES = (bool, int, float, str, type(None))
 

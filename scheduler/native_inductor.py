@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import NATIVE, Choice, run_nodes
 from infini_dist.scheduler.ir import external_inputs, live_outputs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import TensorMeta
 
 

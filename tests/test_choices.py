@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from infini_dist.scheduler import ops
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import RunContext, TensorMeta, generate_choices, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 
@@ -75,7 +75,7 @@ def test_custom_op_implementations_are_choices_with_fused_epilogues():
     def matmul_ref(a, b):
         return a @ b
 
-    ops.register_op("test_matmul_choices", matmul_ref, num_inputs=2,
+    op_registry.register_op("test_matmul_choices", matmul_ref, num_inputs=2,
                     implementations={"mm": torch.mm, "einsum":
                                      lambda a, b: torch.einsum("ik,kj->ij", a, b)}, replace=True)
     graph = SubGraph((OpNode("test_matmul_choices", ("a", "b"), ("c",)),

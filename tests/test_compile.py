@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import infini_dist
 import infini_dist.compile as idc
 from infini_dist.compile import runtime_op
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
 c10d = torch.ops._c10d_functional

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from test_compile import FUSED, ar, export, fuse, ops_of, rand
 
 

@@ -12,11 +12,14 @@ from infini_dist.config import parse_env
 def test_defaults_and_validation():
     assert config.max_fusion_depth == 3
     assert config.custom_op_fusion_types == ("epilogue", "prologue", "cross_subgraph")
-    for name, bad in [("max_fusion_depth", -1), ("max_fusion_depth", 1.5),
-                      ("max_autotune_threads", 0), ("enable_recursive_fusion", "yes"),
+    for name, bad in [("max_fusion_depth", -1), ("max_autotune_threads", 0),
                       ("fusion_speedup_threshold", 0.9), ("custom_op_fusion_types", ("sideways",)),
                       ("benchmark_reps", 0), ("tuning_timeout_s", 0), ("cache_dir", "")]:
         with pytest.raises(ValueError, match=name):
+            setattr(config, name, bad)
+    for name, bad in [("max_fusion_depth", 1.5), ("enable_recursive_fusion", "yes"),
+                      ("benchmark_warmup", True)]:
+        with pytest.raises(TypeError, match=name):  # a wrong type, as torch reports it
             setattr(config, name, bad)
     with pytest.raises(AttributeError, match="no flag"):
         config.max_fusion_dept = 2  # a typo must not pass silently

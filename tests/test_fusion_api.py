@@ -104,10 +104,10 @@ def test_config_defaults():
     ("enable_cache", 1, TypeError, "enable_cache must be a bool"),
     ("fallback_on_error", None, TypeError, "fallback_on_error must be a bool"),
     ("debug_mode", "false", TypeError, "debug_mode must be a bool"),
-    ("min_nodes", 0, ValueError, "min_nodes must be >= 1"),
+    ("min_nodes", 0, ValueError, "min_nodes must be an int >= 1"),
     ("min_nodes", 2.0, TypeError, "min_nodes must be an int"),
     ("min_nodes", True, TypeError, "min_nodes must be an int"),
-    ("min_tensor_size", -1, ValueError, "min_tensor_size must be >= 0"),
+    ("min_tensor_size", -1, ValueError, "min_tensor_size must be an int >= 0"),
     ("min_tensor_size", "1024", TypeError, "min_tensor_size must be an int"),
     ("op_whitelist", "relu", TypeError, "bare string"),
     ("op_whitelist", ("relu", 3), TypeError, "non-empty op names"),
@@ -264,7 +264,7 @@ def test_enable_cache_false_decides_every_time(engine_calls):
 
 
 def test_register_op_goes_to_the_global_registry():
-    from infini_dist.scheduler.ops import get_op
+    from infini_dist.scheduler.op_registry import get_op
     scheduler = FusionScheduler()
     spec = get_op(OP)
     assert spec.kind == "custom" and set(spec.implementations) == {"fast", "flaky"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from infini_dist.kernels.chain import Chain, Step, UnsupportedChain, chain_from_nodes
-from infini_dist.scheduler import ops
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import RunContext, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph
 from interpreter_worker import call_kernel, interpreter_pool, interpreter_unusable, run
@@ -23,7 +23,7 @@ CPU = RunContext(None, 1, 0, torch.device("cpu"))
 
 def reference(op, *tensors, **attrs):
     """The op registry's reference (fp32 inside, rounded once to the first input's dtype)."""
-    return ops.get_op(op).fn(*tensors, **attrs)
+    return op_registry.get_op(op).fn(*tensors, **attrs)
 # One unit in the last place, relative; fp32 allows a few (sums in another order, numpy's exp).
 ULP = {torch.float32: 2.0 ** -21, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
@@ -226,7 +226,7 @@ def test_chain_kernel(pool, name, dtype):
         in_fp32 = unfused(nodes, inputs, outputs, [t.float() for t in tensors])
         for g, s, f in zip(got, stepwise, in_fp32):
             assert_matches(g, f.to(s.dtype), what=f"{name} {shape}")
-            assert ops.close_enough(g, s, computed_in=dtype), (name, shape)
+            assert op_registry.close_enough(g, s, computed_in=dtype), (name, shape)
 
 
 def test_chain_kernel_in_place_and_non_contiguous(pool):
@@ -378,4 +378,4 @@ def test_chain_kernel_on_gpu(name, dtype):
         for g, s, f in zip(got, stepwise, in_fp32):
             assert_matches(g, f.to(s.dtype), ulps=8 if dtype == torch.float32 else 1,
                            what=f"{name} {shape}")
-            assert ops.close_enough(g, s, computed_in=dtype), (name, shape)
+            assert op_registry.close_enough(g, s, computed_in=dtype), (name, shape)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from multirank import run_ranks
-from infini_dist.scheduler import ops
+from infini_dist.scheduler import op_registry
 
 EPS = 1e-6
 
@@ -27,7 +27,7 @@ def test_native_ops_are_torchs_own_ops_in_the_input_dtype(dtype):
     (a, b), w = _tensors(dtype)
 
     def native(op, *tensors, **attrs):
-        return ops.run_node(op, list(tensors), attrs, native=True)
+        return op_registry.run_node(op, list(tensors), attrs, native=True)
 
     h = a + b
     expected = {
@@ -48,13 +48,13 @@ def test_native_ops_are_torchs_own_ops_in_the_input_dtype(dtype):
         for g, e in zip(got, want):
             assert g.dtype == dtype and torch.equal(g, e), op
         # and within the tolerance of the fp32 reference every choice is checked against
-        for g, r in zip(got, ops.run_node(op, list(tensors), attrs)):
-            assert ops.close_enough(g, r), op
+        for g, r in zip(got, op_registry.run_node(op, list(tensors), attrs)):
+            assert op_registry.close_enough(g, r), op
 
 
 def test_native_rms_norm_keeps_the_input_dtype_with_another_weight_dtype():
     (a, _), w = _tensors(torch.bfloat16)
-    out = ops.run_node("rms_norm", [a, w.float()], {"eps": EPS}, native=True)[0]
+    out = op_registry.run_node("rms_norm", [a, w.float()], {"eps": EPS}, native=True)[0]
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, F.rms_norm(a, (16,), w, EPS))
 
@@ -66,15 +66,16 @@ def test_user_ops_run_their_reference_natively_unless_given_a_native_implementat
     def mine(x):
         return torch.exp(x)
 
-    plain = ops.register_op("test_native_exp_plain", ref, kind="elementwise", replace=True)
-    own = ops.register_op("test_native_exp_own", ref, kind="elementwise", native=mine,
+    plain = op_registry.register_op("test_native_exp_plain", ref, kind="elementwise", replace=True)
+    own = op_registry.register_op("test_native_exp_own", ref, kind="elementwise", native=mine,
                           replace=True)
     assert plain.native is None and own.native is mine
     (a, _), _ = _tensors(torch.bfloat16)
-    assert torch.equal(ops.run_node("test_native_exp_plain", [a], {}, native=True)[0], ref(a))
-    assert torch.equal(ops.run_node("test_native_exp_own", [a], {}, native=True)[0], mine(a))
+    run_native = op_registry.run_node
+    assert torch.equal(run_native("test_native_exp_plain", [a], {}, native=True)[0], ref(a))
+    assert torch.equal(run_native("test_native_exp_own", [a], {}, native=True)[0], mine(a))
     with pytest.raises(TypeError, match="native must be callable"):
-        ops.register_op("test_native_bad", ref, native=3, replace=True)
+        op_registry.register_op("test_native_bad", ref, native=3, replace=True)
 
 
 # ---- eager sites on 2 gloo ranks ----------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_compiled_site_native_is_inductors_epilogue(tmp_path):
 
 def _custom_anchor_site(epilogue_op):
     from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
-    ops.register_op("test_native_matmul", lambda a, b: a @ b, num_inputs=2,
+    op_registry.register_op("test_native_matmul", lambda a, b: a @ b, num_inputs=2,
                     implementations={"mm": torch.mm}, replace=True)
     graph = SubGraph((OpNode("test_native_matmul", ("a", "b"), ("c",)),
                       OpNode(epilogue_op, ("c",), ("d",)),
@@ -232,7 +233,7 @@ def test_compiled_native_that_cannot_compile_runs_eager_torch_once_warned(caplog
         torch._dynamo.graph_break()  # fullgraph=True refuses this before Inductor sees it
         return torch.relu(x)
 
-    ops.register_op("test_native_breaks", breaks_graph, kind="elementwise", replace=True)
+    op_registry.register_op("test_native_breaks", breaks_graph, kind="elementwise", replace=True)
     graph, site, inputs = _custom_anchor_site("test_native_breaks")
     choice, expected = _compiled_native(graph, site, inputs)
     assert choice.name == "native" and choice.uses_inductor

@@ -13,7 +13,7 @@ import torch
 
 from infini_dist.kernels.chain import UnsupportedChain
 from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm, plan
-from infini_dist.scheduler import ops
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 from interpreter_worker import interpreter_unusable
@@ -34,7 +34,7 @@ def _cube(x):
     return x * x * x
 
 
-ops.register_op("test_nccl_epilogue_cube", _cube, kind="elementwise", num_inputs=1)
+op_registry.register_op("test_nccl_epilogue_cube", _cube, kind="elementwise", num_inputs=1)
 
 # name: (nodes, graph inputs, graph outputs); "x" is every all_reduce's input.
 GRAPHS = {
@@ -74,7 +74,7 @@ def span_and_meta(name, shape=(3, 37), dtype=torch.bfloat16, depth=None, device=
     env = tensors_for(name, shape, dtype)
     for node in nodes:  # the reduction itself does not change shapes or dtypes
         values = ([env[node.inputs[0]].clone()] if node.op_type == "all_reduce" else
-                  ops.run_node(node.op_type, [env[n] for n in node.inputs], node.attr_dict))
+                  op_registry.run_node(node.op_type, [env[n] for n in node.inputs], node.attr_dict))
         env.update(zip(node.outputs, values))
     meta = {n: TensorMeta(tuple(v.shape), v.dtype, device, v.is_contiguous())
             for n, v in env.items()}
@@ -163,7 +163,8 @@ def _rank_runs(rank, world_size, home):
         results[name] = {
             "outputs": sorted(got), "expected": sorted(span.outputs),
             "input_untouched": torch.equal(before, inputs["x"]),
-            "close": {n: ops.close_enough(got[n], env[n]) for n in span.outputs if n in got},
+            "close": {n: op_registry.close_enough(got[n], env[n])
+                      for n in span.outputs if n in got},
             "digests": {n: _digest(t) for n, t in got.items()}}
     results["engine"] = _through_the_engine(rank)
     return results

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infini_dist.scheduler import ops
+from infini_dist.scheduler import op_registry
 from multirank import run_ranks
 
 
@@ -37,16 +37,16 @@ CASES = {
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_reference_matches_torch(name, dtype, tol):
     tensors, attrs, expected = CASES[name]
-    (out,) = ops.run_node(name, [t.to(dtype) for t in tensors], attrs)
+    (out,) = op_registry.run_node(name, [t.to(dtype) for t in tensors], attrs)
     assert out.dtype == dtype and out.shape == tensors[0].shape
     torch.testing.assert_close(out.double(), expected(), rtol=tol, atol=tol)
 
 
 def test_gelu_tanh_and_add_rms_norm():
-    (tanh,) = ops.run_node("gelu", [X], {"approximate": "tanh"})
+    (tanh,) = op_registry.run_node("gelu", [X], {"approximate": "tanh"})
     torch.testing.assert_close(tanh.double(), F.gelu(X.double(), approximate="tanh"))
-    assert not torch.allclose(tanh, ops.run_node("gelu", [X], {})[0], atol=1e-6)
-    normed, total = ops.run_node("add_rms_norm", [X.bfloat16(), Y.bfloat16(), W.float()],
+    assert not torch.allclose(tanh, op_registry.run_node("gelu", [X], {})[0], atol=1e-6)
+    normed, total = op_registry.run_node("add_rms_norm", [X.bfloat16(), Y.bfloat16(), W.float()],
                                  {"eps": 1e-6})
     assert normed.dtype == torch.bfloat16 and total.dtype == torch.bfloat16
     exact = X.bfloat16().double() + Y.bfloat16().double()
@@ -58,24 +58,28 @@ def test_register_op_rules():
     def triple(x):
         return x * 3
 
-    spec = ops.register_op("test_triple", triple, kind="elementwise", num_inputs=1, replace=True)
-    assert ops.get_op("test_triple") is spec and ops.may_fuse("test_triple", "epilogue")
-    assert ops.register_op("test_triple", triple, kind="elementwise", num_inputs=1) is spec
-    before = ops.generation()
-    assert ops.register_op("test_triple", triple, kind="elementwise", num_inputs=1) is spec
-    assert ops.generation() == before  # the same definition again changes nothing
-    identity = ops.register_op("test_triple", lambda x: x, kind="elementwise")
-    assert ops.get_op("test_triple") is identity and ops.generation() == before + 1
+    spec = op_registry.register_op("test_triple", triple, kind="elementwise", num_inputs=1,
+                                   replace=True)
+    assert op_registry.get_op("test_triple") is spec
+    assert op_registry.may_fuse("test_triple", "epilogue")
+    assert op_registry.register_op("test_triple", triple, kind="elementwise", num_inputs=1) is spec
+    before = op_registry.generation()
+    assert op_registry.register_op("test_triple", triple, kind="elementwise", num_inputs=1) is spec
+    assert op_registry.generation() == before  # the same definition again changes nothing
+    identity = op_registry.register_op("test_triple", lambda x: x, kind="elementwise")
+    assert op_registry.get_op("test_triple") is identity and op_registry.generation() == before + 1
     with pytest.raises(ValueError, match="built-in"):
-        ops.register_op("add", triple, kind="elementwise")
+        op_registry.register_op("add", triple, kind="elementwise")
     with pytest.raises(ValueError, match="kind"):
-        ops.register_op("test_bad_kind", triple, kind="sideways")
+        op_registry.register_op("test_bad_kind", triple, kind="sideways")
     with pytest.raises(TypeError, match="callable"):
-        ops.register_op("test_not_callable", 3)
+        op_registry.register_op("test_not_callable", 3)
     with pytest.raises(ValueError, match="unknown op 'nope'"):
-        ops.get_op("nope")
-    assert not ops.may_fuse("all_reduce", "epilogue") and ops.may_fuse("rms_norm", "epilogue")
-    assert not ops.may_fuse("rms_norm", "prologue") and ops.may_fuse("relu", "prologue")
+        op_registry.get_op("nope")
+    assert not op_registry.may_fuse("all_reduce", "epilogue")
+    assert op_registry.may_fuse("rms_norm", "epilogue")
+    assert not op_registry.may_fuse("rms_norm", "prologue")
+    assert op_registry.may_fuse("relu", "prologue")
 
 
 def matmul_site(rank, world_size):
@@ -87,7 +91,7 @@ def matmul_site(rank, world_size):
     def by_einsum(a, b):
         return torch.einsum("ik,kj->ij", a, b)
 
-    ops.register_op("test_matmul", torch.matmul, num_inputs=2,
+    op_registry.register_op("test_matmul", torch.matmul, num_inputs=2,
                     implementations={"mm": torch.mm, "einsum": by_einsum})
     graph = SubGraph((OpNode("test_matmul", ("a", "b"), ("c",)),
                       OpNode("relu", ("c",), ("d",)),

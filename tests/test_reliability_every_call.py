@@ -14,7 +14,7 @@ import infini_dist
 from infini_dist import config
 from infini_dist.fusion import FusionConfig, FusionScheduler
 from infini_dist.scheduler.every_call import wanted
-from infini_dist.scheduler.ops import close_enough
+from infini_dist.scheduler.op_registry import close_enough
 
 from multirank import run_ranks
 from test_reliability_inputs import outcome as short_outcome, partial, relu_scale_graph

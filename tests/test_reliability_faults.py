@@ -250,7 +250,7 @@ def test_cache_validity_check_can_fail(tmp_path):
     assert cache_valid(tmp_path)
     (tmp_path / "a.json").write_text("{ nope")
     assert not cache_valid(tmp_path)
-    (tmp_path / "a.json").write_text('{"choice": "unfused"}')
+    (tmp_path / "a.json").write_text('{"choice": "native"}')
     assert cache_valid(tmp_path)
     (tmp_path / ".a.123.tmp").write_text("")
     assert not cache_valid(tmp_path)

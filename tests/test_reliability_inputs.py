@@ -12,7 +12,7 @@ import torch
 
 import infini_dist
 from infini_dist.fusion import FusionConfig, FusionScheduler, OpNode, SubGraph
-from infini_dist.scheduler.ops import close_enough
+from infini_dist.scheduler.op_registry import close_enough
 
 from multirank import run_ranks
 

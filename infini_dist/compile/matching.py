@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 
 from infini_dist.config import Settings
-from infini_dist.scheduler import ops as op_registry
-from infini_dist.compile import patterns
+from infini_dist.scheduler import op_registry
+from infini_dist.compile import fx_patterns
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -47,7 +47,8 @@ class IROp:
 
 
 @dataclass
-class Site:
+class FxSite:
+    """One match in an FX graph: fx nodes, not the engine's scheduler/ir.Site indices."""
     anchors: list
     prologue_of: list  # per anchor, its prologue ops, producer first
     epilogue: list = field(default_factory=list)
@@ -175,7 +176,7 @@ def _key(node):
     return (val.dtype, val.dim(), val.device.type)
 
 
-def _ir_op(match: patterns.Match, first: fx.Node | None) -> IROp | None:
+def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> IROp | None:
     """The IR op for a match; a commutative op takes `first` as its first input. The IR refs
     round to input 0's dtype, so the graph's result must have that dtype."""
     inputs = list(match.inputs)
@@ -209,10 +210,10 @@ def _prologue(anchor: IROp, region: frozenset, depth: int) -> list:
                 or any(u not in consumer_nodes for u in value.users)):
             break
         found = []
-        for template in patterns.templates(*_key(value)):
+        for template in fx_patterns.templates(*_key(value)):
             if not op_registry.may_fuse(template.form.op_type, "prologue"):
                 continue
-            match = patterns.match_at(template, value)
+            match = fx_patterns.match_at(template, value)
             if match is not None and not match.nodes & region:
                 found.append(match)
         match = max(found, key=lambda m: len(m.nodes), default=None)
@@ -273,16 +274,16 @@ def _exposed_op(match) -> IROp | None:
                 frozenset())
 
 
-def _epilogue(g: GraphIndex, site: Site, depth: int) -> None:
+def _epilogue(g: GraphIndex, site: FxSite, depth: int) -> None:
     live = {n for a in site.anchors for n in a.outputs if n is not None}
     region = site.nodes
     keys = {_key(n) for n in live if _is_tensor(n)}
-    reach = max((t.size for k in keys for t in patterns.templates(*k)), default=1)
+    reach = max((t.size for k in keys for t in fx_patterns.templates(*k)), default=1)
     while True:
         found = []
         for node in sorted(_candidates(live, region, reach), key=g.order.get):
-            for template in (t for key in keys for t in patterns.templates(*key)):
-                match = patterns.match_at(template, node)
+            for template in (t for key in keys for t in fx_patterns.templates(*key)):
+                match = fx_patterns.match_at(template, node)
                 op = _epilogue_op(g, match, live, region) if match is not None else None
                 if op is not None:
                     found.append((match, op))
@@ -308,7 +309,7 @@ def _depth(epilogue: list) -> int:
     return sum(1 for op in epilogue if op.nodes)  # an exposed value is no op of its own
 
 
-def _pop_epilogue(site: Site) -> None:
+def _pop_epilogue(site: FxSite) -> None:
     """Drop the last epilogue op; an exposed value goes with the op whose nodes compute it."""
     while site.epilogue and not site.epilogue.pop().nodes:
         pass
@@ -348,12 +349,12 @@ def _coalesce(g: GraphIndex, first: IROp) -> list:
         group.append(candidate)
 
 
-def insertion_point(g: GraphIndex, site: Site) -> fx.Node:
+def insertion_point(g: GraphIndex, site: FxSite) -> fx.Node:
     compute = [n for op in site.ops for n in op.nodes - op.projections]
     return max(compute, key=g.order.get)
 
 
-def _fits(g: GraphIndex, site: Site) -> bool:
+def _fits(g: GraphIndex, site: FxSite) -> bool:
     nodes = site.nodes
     last = g.order[insertion_point(g, site)]
     for op in site.ops:
@@ -365,7 +366,7 @@ def _fits(g: GraphIndex, site: Site) -> bool:
                    for n in g.nodes[first + 1:last])
 
 
-def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> Site:
+def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> FxSite:
     """The site around `anchor`, as large as the flags allow and the graph permits."""
     types = settings.custom_op_fusion_types
     depth = settings.max_fusion_depth
@@ -377,7 +378,7 @@ def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> Site:
         chain = _prologue(a, region, depth) if is_all_reduce and "prologue" in types else []
         prologue_of.append(chain)
         region = region | frozenset(n for op in chain for n in op.nodes)
-    site = Site(anchors, prologue_of)
+    site = FxSite(anchors, prologue_of)
     if "epilogue" in types and depth > 0:
         _epilogue(g, site, depth)
     while not _fits(g, site):

@@ -53,13 +53,13 @@ def _source_hash() -> str:
     package = Path(__file__).parent
     scheduler = Path(infini_dist.scheduler.ir.__file__).parent
     h = hashlib.sha256()
-    for path in sorted(package.glob("*.py")) + [scheduler / "ir.py", scheduler / "ops.py"]:
+    for path in sorted(package.glob("*.py")) + [scheduler / "ir.py", scheduler / "op_registry.py"]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
 
-def to_subgraph(site: matching.Site) -> tuple[SubGraph, list, list]:
+def to_subgraph(site: matching.FxSite) -> tuple[SubGraph, list, list]:
     """The site as a SubGraph with canonical names, its graph inputs and its read outputs."""
     names: dict = {}
     inputs: list = []
@@ -86,7 +86,7 @@ def to_subgraph(site: matching.Site) -> tuple[SubGraph, list, list]:
     return sub, inputs, outputs
 
 
-def _replace(graph: fx.Graph, site: matching.Site, g: matching.GraphIndex, text: str,
+def _replace(graph: fx.Graph, site: matching.FxSite, g: matching.GraphIndex, text: str,
              inputs: list, outputs: list) -> None:
     region = site.nodes
     anchor = next(iter(site.anchors[0].nodes - site.anchors[0].projections))

@@ -22,7 +22,7 @@ import torch
 
 import infini_dist
 from infini_dist.compile.cudagraph_tree_state import settle_failed_warmup
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
 from infini_dist.scheduler.shapes import shape_env

@@ -10,8 +10,8 @@
 """
 
 from infini_dist.scheduler.ir import OpNode, SubGraph
-from infini_dist.fusion.scheduler import (FUSED, UNFUSED, FusionConfig, FusionScheduler, Route,
-                                          choose_route)
+from infini_dist.fusion.router import (FUSED, UNFUSED, FusionConfig, FusionScheduler, Route,
+                                       choose_route)
 
 __all__ = ["FusionConfig", "FusionScheduler", "Route", "choose_route", "FUSED", "UNFUSED",
            "OpNode", "SubGraph"]

@@ -38,7 +38,7 @@ from infini_dist.kernels.symm_chain import (ADD_RMS_NORM, MAX_CHAIN, MAX_ROW, NO
                                             encode_node)
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import Algorithm
 
 ONE_SHOT_MAX_BYTES = 8 << 20   # past this every rank moving the whole tensor W times loses

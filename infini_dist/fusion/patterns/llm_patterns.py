@@ -16,9 +16,8 @@ from __future__ import annotations
 import math
 import numbers
 
+from infini_dist.kernels.chain import GELU_APPROXIMATIONS
 from infini_dist.scheduler.ir import OpNode, SubGraph
-
-GELU_APPROXIMATIONS = ("none", "tanh")
 
 
 def _real(name: str, value) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import threading
 import warnings
 from dataclasses import dataclass
@@ -22,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 import infini_dist
-from infini_dist.config import AUTO, FLAGS, Settings
+from infini_dist.config import (FLAGS, Settings, check_agree_mode, check_bool, check_nonneg_int,
+                                check_positive_int)
 from infini_dist.fusion.agreement import agree_route, route_key
 from infini_dist.scheduler import choices, engine, every_call
-from infini_dist.scheduler import ops as op_registry
+from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.control import ControlPlaneError, control_plane
 from infini_dist.scheduler.ir import SubGraph, as_names, is_anchor
 
@@ -37,48 +37,30 @@ UNFUSED = "unfused"
 
 # ---- config ---------------------------------------------------------------------------------------
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"FusionConfig.{name} must be a bool, got {value!r}")
-    return value
-
-
-def _check_count(minimum: int):
-    def check(name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"FusionConfig.{name} must be an int, got {value!r}")
-        if value < minimum:
-            raise ValueError(f"FusionConfig.{name} must be >= {minimum}, got {value!r}")
-        return int(value)
-    return check
-
-
 def _check_whitelist(name: str, value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
-    names = as_names(value, f"FusionConfig.{name}", noun="op names")
+    names = as_names(value, name, noun="op names")
     known = set(op_registry.registered_ops())
     unknown = sorted(set(names) - known)
     if unknown:
-        raise ValueError(f"FusionConfig.{name}: unknown ops {unknown}; known ops: "
+        raise ValueError(f"{name}: unknown ops {unknown}; known ops: "
                          f"{', '.join(sorted(known))} (register an op before whitelisting it)")
     return tuple(sorted(set(names)))
 
 
 def _check_agree_mode(name: str, value: Any):
-    if value is None or isinstance(value, bool) or value == AUTO:
-        return value
-    raise ValueError(f"FusionConfig.{name} must be None, True, False or {AUTO!r}, got {value!r}")
+    return None if value is None else check_agree_mode(name, value)  # None: follow config
 
 
 _FIELD_CHECKS = {
-    "enable_fusion": _check_bool,
-    "enable_cache": _check_bool,
-    "min_nodes": _check_count(1),
-    "min_tensor_size": _check_count(0),
+    "enable_fusion": check_bool,
+    "enable_cache": check_bool,
+    "min_nodes": check_positive_int,
+    "min_tensor_size": check_nonneg_int,
     "op_whitelist": _check_whitelist,
-    "fallback_on_error": _check_bool,
-    "debug_mode": _check_bool,
+    "fallback_on_error": check_bool,
+    "debug_mode": check_bool,
     "agree_every_call": _check_agree_mode,
 }
 
@@ -115,7 +97,7 @@ class FusionConfig:
         if check is None:
             raise AttributeError(f"FusionConfig has no field {name!r}; fields: "
                                  f"{', '.join(_FIELD_CHECKS)}")
-        super().__setattr__(name, check(name, value))
+        super().__setattr__(name, check(f"FusionConfig.{name}", value))
 
     def key(self) -> tuple:
         """The field values, hashable: part of every routing-cache key."""
@@ -233,7 +215,7 @@ class FusionScheduler:
                             settings)
 
     def register_op(self, name: str, fn, **kw):
-        """Register an op in the global registry (see infini_dist.scheduler.ops.register_op)."""
+        """Register an op in the global registry (see scheduler/op_registry.register_op)."""
         spec = op_registry.register_op(name, fn, **kw)
         with self._lock:
             self._routes.clear()  # a re-registered op may have become an anchor
