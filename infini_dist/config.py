@@ -98,7 +98,7 @@ FLAGS = {
     "enable_custom_op_fusion": (True, check_bool),
     "custom_op_fusion_types": (FUSION_TYPES, _fusion_types),
     "enable_recursive_fusion": (True, check_bool),
-    "max_fusion_depth": (3, check_nonneg_int),
+    "max_fusion_depth": (5, check_nonneg_int),  # GPT-NeoX: 2 bias adds, 2 adds, LayerNorm
     "fusion_speedup_threshold": (1.0, _threshold),
     "max_autotune_threads": (4, check_positive_int),
     "benchmark_warmup": (3, check_nonneg_int),
@@ -112,6 +112,15 @@ FLAGS = {
     "max_token_bucket": (8192, check_positive_int),
     "tune_at_request_time": (True, check_bool),
     "agree_every_call": (AUTO, check_agree_mode),
+    # Kernel launch knobs for experiments (the engine passes them to kernels/ explicitly). They
+    # shape launches, so they must be the same on every rank. symm_timeout_s: a symmetric-memory
+    # kernel waiting longer for a peer traps instead of hanging. symm_group_items /
+    # symm_round_items: n > 0 forces the two-shot items per step / per round (0: by size).
+    # fast_launch: False keeps every kernel launch on Triton's normal path (A/B timing).
+    "symm_timeout_s": (300.0, _positive_float),
+    "symm_group_items": (0, check_nonneg_int),
+    "symm_round_items": (0, check_nonneg_int),
+    "fast_launch": (True, check_bool),
 }
 
 
@@ -161,6 +170,10 @@ class Settings:
     max_token_bucket: int
     tune_at_request_time: bool
     agree_every_call: bool | str
+    symm_timeout_s: float
+    symm_group_items: int
+    symm_round_items: int
+    fast_launch: bool
 
     def decision_fields(self) -> dict:
         """The flags that change which choice is committed, hence part of the cache key."""

@@ -6,7 +6,7 @@ Values live in numbered slots: the chain's input tensors first, then each step's
 (add_rms_norm has two: normed, sum). A step names its op, the slots it reads and its attributes as
 Python literals (they are written into the generated kernel, so equal chains are equal values).
 `outputs` are the slots the kernel stores. Inputs are "row" tensors (the chain's shape, or
-broadcast to it) or "weight" tensors (a norm's 1-D weight over the last dim).
+broadcast to it) or "weight" tensors (a norm's 1-D weight or bias over the last dim).
 
     b = add(a, r); c = relu(b); d = scale(c, scale=0.5)          (engine nodes)
     chain_from_nodes(nodes, inputs=("a", "r"), outputs=("d",)) ==
@@ -20,21 +20,20 @@ A chain with a row-norm step runs whole rows per tile; one without runs flat ele
 from __future__ import annotations
 
 
-import math
-
 import torch
 from dataclasses import dataclass
 
-ELEMENTWISE_OPS = {"add": 2, "mul": 2, "swiglu": 2, "scale": 1, "relu": 1, "silu": 1, "gelu": 1,
-                   "sigmoid": 1}
-ROWWISE_OPS = {"rms_norm": 2, "add_rms_norm": 3}
-NUM_RESULTS = {"add_rms_norm": 2}
-WEIGHT_OPERAND = {"rms_norm": 1, "add_rms_norm": 2}
-DEFAULT_ATTRS = {"scale": {"scale": 1.0}, "gelu": {"approximate": "none"},
-                 "rms_norm": {"eps": 1e-6}, "add_rms_norm": {"eps": 1e-6}}
-# The one list of gelu approximations; it lives here, not in gelu.py, because this module (and
-# the seed API that imports it) must stay importable without Triton.
-GELU_APPROXIMATIONS = ("none", "tanh")
+from infini_dist.kernels.epilogue import SPECS
+from infini_dist.kernels.epilogue.spec import float_literal
+
+# Derived from the op specs (kernels/epilogue): the ops that have ninetoothed chain code.
+_CHAIN_SPECS = {name: spec for name, spec in SPECS.items() if spec.nt_code is not None}
+ELEMENTWISE_OPS = {n: s.arity for n, s in _CHAIN_SPECS.items() if s.kind == "elementwise"}
+ROWWISE_OPS = {n: s.arity for n, s in _CHAIN_SPECS.items() if s.kind == "rowwise"}
+NUM_RESULTS = {n: s.num_outputs for n, s in _CHAIN_SPECS.items() if s.num_outputs != 1}
+VECTOR_OPERANDS = {n: frozenset(s.vectors) for n, s in _CHAIN_SPECS.items() if s.vectors}
+DEFAULT_ATTRS = {n: dict(s.attrs) for n, s in _CHAIN_SPECS.items() if s.attrs}
+GELU_APPROXIMATIONS = dict(SPECS["gelu"].choices)["approximate"]
 
 
 class UnsupportedChain(ValueError):
@@ -73,12 +72,17 @@ class Chain:
             for position, slot in enumerate(step.reads):
                 if not 0 <= slot < defined:
                     raise UnsupportedChain(f"{step.op} reads slot {slot}, not yet defined")
-                as_weight = WEIGHT_OPERAND.get(step.op) == position
+                as_weight = position in VECTOR_OPERANDS.get(step.op, ())
                 is_weight = slot < len(self.inputs) and self.inputs[slot] == "weight"
                 if as_weight != is_weight:
                     raise UnsupportedChain(f"{step.op} operand {position} must be a "
                                            f"{'weight input' if as_weight else 'row value'}")
             defined += NUM_RESULTS.get(step.op, 1)
+        quantized = {slot for step, slots in zip(self.steps, self.result_slots())
+                     if _CHAIN_SPECS[step.op].out_dtype is not None for slot in slots}
+        if any(set(step.reads) & quantized for step in self.steps):
+            # fp32 flows between steps, so a later step would read the value unquantized
+            raise UnsupportedChain("a quantized value may only be stored, not read again")
         if not self.outputs:
             raise UnsupportedChain("a chain must store at least one value")
         for slot in self.outputs:
@@ -100,41 +104,36 @@ class Chain:
 
     def output_dtypes(self, input_dtypes):
         """The dtypes the op references give: an elementwise step promotes its operands as
-        torch does (bf16 * an fp32 vector is fp32); a norm keeps its input's dtype."""
+        torch does (bf16 * an fp32 vector is fp32); a norm keeps its input's dtype; an op
+        with an `out_dtype` (a quantization) gives that."""
         dtypes = list(input_dtypes)
         for step, slots in zip(self.steps, self.result_slots()):
-            result = dtypes[step.reads[0]]
-            if step.op not in ROWWISE_OPS:
+            result = _CHAIN_SPECS[step.op].out_dtype or dtypes[step.reads[0]]
+            if step.op not in ROWWISE_OPS and _CHAIN_SPECS[step.op].out_dtype is None:
                 for read in step.reads[1:]:
                     result = torch.promote_types(result, dtypes[read])
             dtypes.extend(result for _ in slots)
         return [dtypes[slot] for slot in self.outputs]
 
 
-def _float_literal(op: str, name: str, value) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UnsupportedChain(f"{op}: attribute {name} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or (name == "eps" and value < 0):
-        raise UnsupportedChain(f"{op}: attribute {name}={value!r} is not supported")
-    return repr(value)  # exact: repr round-trips a float
-
-
 def step_attrs(op: str, attrs: dict) -> tuple[tuple[str, str], ...]:
     """An op's attributes, defaults filled in, as the literals the generated kernel uses."""
-    defaults = DEFAULT_ATTRS.get(op, {})
+    spec = _CHAIN_SPECS[op]
+    defaults, choices = dict(spec.attrs), dict(spec.choices)
     unknown = set(attrs) - set(defaults)
     if unknown:
         raise UnsupportedChain(f"{op}: unsupported attribute(s) {sorted(unknown)}")
-    merged = {**defaults, **attrs}
     literals = []
-    for name, value in sorted(merged.items()):
-        if name == "approximate":
-            if value not in GELU_APPROXIMATIONS:
-                raise UnsupportedChain(f"gelu: approximate={value!r} is not supported")
+    for name, value in sorted({**defaults, **attrs}.items()):
+        if name in choices:
+            if value not in choices[name]:
+                raise UnsupportedChain(f"{op}: {name}={value!r} is not supported")
             literals.append((name, value))
         else:
-            literals.append((name, _float_literal(op, name, value)))
+            try:
+                literals.append((name, float_literal(op, name, value)))
+            except ValueError as error:
+                raise UnsupportedChain(str(error)) from None
     return tuple(literals)
 
 
@@ -159,7 +158,7 @@ def chain_from_nodes(nodes, inputs, outputs) -> Chain:
                 raise UnsupportedChain(f"{node.op_type} reads {name!r}, which is neither a chain "
                                        f"input nor produced earlier")
             slot = slot_of[name]
-            if WEIGHT_OPERAND.get(node.op_type) == position:
+            if position in VECTOR_OPERANDS.get(node.op_type, ()):
                 if slot >= len(inputs):
                     raise UnsupportedChain(f"{node.op_type}: the weight {name!r} must be an "
                                            f"input, not a computed value")

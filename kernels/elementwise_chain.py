@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import linecache
 
 import ninetoothed.language as ntl
@@ -22,48 +23,27 @@ from ninetoothed import Tensor
 
 from infini_dist.kernels import nt_runtime
 from infini_dist.kernels.chain import Chain
-from infini_dist.kernels.gelu import gelu_erf_fp32, gelu_tanh_fp32
-from infini_dist.kernels.relu import relu_fp32
-from infini_dist.kernels.rms_norm import rms_normalize_fp32
+from infini_dist.kernels.epilogue import SPECS
 from infini_dist.kernels.rows import (arrangement, as_rows, broadcast_shape, check_dtypes,
                                       check_float_dtypes, elementwise_views, num_warps, output,
                                       row_blocks, tiled_premake)
-from infini_dist.kernels.sigmoid import sigmoid_fp32
-from infini_dist.kernels.silu import silu_fp32
 
-_HELPERS = {"relu_fp32": relu_fp32, "silu_fp32": silu_fp32, "sigmoid_fp32": sigmoid_fp32,
-            "gelu_erf_fp32": gelu_erf_fp32, "gelu_tanh_fp32": gelu_tanh_fp32,
-            "rms_normalize_fp32": rms_normalize_fp32}
+
+def _helpers(chain: Chain) -> dict:
+    """The single-op kernels' helpers the chain's steps call ("module:function" in the specs)."""
+    helpers = {}
+    for step in chain.steps:
+        for ref in SPECS[step.op].nt_helpers:
+            module, name = ref.split(":")
+            helpers[name] = getattr(importlib.import_module(f"infini_dist.kernels.{module}"), name)
+    return helpers
 
 
 def _step_code(step, args, results):
-    """Statements computing one step. Every helper call is a whole right-hand side: ninetoothed
-    0.26 drops the inlined body of a call nested inside an expression."""
-    a = args[0]
-    out = results[0]
-    op = step.op
-    if op == "add":
-        return [f"{out} = {a} + {args[1]}"]
-    if op == "mul":
-        return [f"{out} = {a} * {args[1]}"]
-    if op == "scale":
-        return [f"{out} = {a} * {step.attr('scale')}"]
-    if op in ("relu", "silu", "sigmoid"):
-        return [f"{out} = {op}_fp32({a})"]
-    if op == "gelu":
-        helper = "gelu_tanh_fp32" if step.attr("approximate") == "tanh" else "gelu_erf_fp32"
-        return [f"{out} = {helper}({a})"]
-    if op == "swiglu":
-        return [f"{out}_gate = silu_fp32({a})", f"{out} = {out}_gate * {args[1]}"]
-    if op == "rms_norm":
-        return [f"{out}_in = ntl.where(in_row, {a}, 0.0)",
-                f"{out} = rms_normalize_fp32({out}_in, {args[1]}, {step.attr('eps')}, num_cols)"]
-    if op == "add_rms_norm":
-        total = results[1]
-        return [f"{total} = {a} + {args[1]}",
-                f"{out}_in = ntl.where(in_row, {total}, 0.0)",
-                f"{out} = rms_normalize_fp32({out}_in, {args[2]}, {step.attr('eps')}, num_cols)"]
-    raise ValueError(f"no code for op {op!r}")
+    """Statements computing one step (its spec's `nt_code`). Every helper call is a whole
+    right-hand side: ninetoothed 0.26 drops the inlined body of a call nested inside an
+    expression."""
+    return SPECS[step.op].nt_code(step, args, results)
 
 
 def application_source(chain: Chain, block_n: int | None) -> str:
@@ -87,7 +67,7 @@ def _application(chain: Chain, block_n: int | None):
     filename = f"<infini_dist chain {hashlib.sha256(source.encode()).hexdigest()[:16]}>"
     # ninetoothed reads the application back with inspect.getsource.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"ntl": ntl, **_HELPERS}
+    namespace = {"ntl": ntl, **_helpers(chain)}
     exec(compile(source, filename, "exec"), namespace)
     return namespace["chain_application"]
 
@@ -108,10 +88,11 @@ def make(chain: Chain, block_m: int, block_n: int, num_warps: int):
     return nt_runtime.make(premake(chain, block_m, block_n), num_warps)
 
 
-def prepare(chain: Chain, input_shapes, input_dtypes):
+def prepare(chain: Chain, input_shapes, input_dtypes, fast_launch: bool = True):
     """Everything about running `chain` that depends only on its inputs' shapes and dtypes (checks,
     output dtypes, tile shape, the kernel). Returns `launch(inputs, outs=None) -> outputs` for
-    inputs of exactly those shapes; `outs` may give some outputs (None entries: allocate)."""
+    inputs of exactly those shapes; `outs` may give some outputs (None entries: allocate).
+    `fast_launch=False` keeps every launch on Triton's normal path (for A/B timing)."""
     input_shapes = [tuple(shape) for shape in input_shapes]
     if len(input_shapes) != len(chain.inputs):
         raise ValueError(f"the chain takes {len(chain.inputs)} inputs, got {len(input_shapes)}")
@@ -160,7 +141,7 @@ def prepare(chain: Chain, input_shapes, input_dtypes):
     # strides, are the same at every call, and the kernel needs only their addresses. It is
     # built at the second such call, so a one-off launch (`elementwise_chain`) never pays for it.
     sizes = [torch.Size(s) for s in input_shapes]
-    fast_shapes = nt_runtime.fast_launch_enabled() and shape.numel() > 0 and all(
+    fast_shapes = fast_launch and shape.numel() > 0 and all(
         s == shape for s, kind in zip(input_shapes, kinds) if kind == "row")
     state = {"calls": 0, "fast": None}
 

@@ -25,9 +25,9 @@ from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
-from infini_dist.kernels.symm_device import (advance_epoch, call_half, finish, item_range,
-                                             program_items, push_items)
-from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, peer_pointer, take
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half, finish,
+                                             item_range, program_items, push_items)
+from infini_dist.kernels.symm_signal import peer_pointer, take
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -59,11 +59,11 @@ def lamport_one_shot_kernel(
     advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
 
-def lamport_one_shot_launch(x, buffer, out, **options):
+def lamport_one_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
     layout, head, kwargs = fused_arguments(x, buffer, out, **options)
     args = head + (buffer.data_table, buffer.epoch, x.numel(), slot_elements(x.numel()),
-                   part_elements(buffer, x.element_size(), 2), buffer.rank, SPIN_TIMEOUT_NS)
+                   part_elements(buffer, x.element_size(), 2), buffer.rank, tuning.timeout_ns)
     # The poll holds a [W, row] tile: past 4 ranks, twice the warps keep it near 64 elements a
     # thread (for rows up to 8192).
     if buffer.world_size > 4:

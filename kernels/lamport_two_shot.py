@@ -24,10 +24,10 @@ import triton.language as tl
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, launch_layout
-from infini_dist.kernels.symm_device import (advance_epoch, apply_prologue, call_half,
-                                             finish_items, program_items, push_to_peers,
-                                             staging_targets)
-from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, never_empty, peer_pointer, take
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, apply_prologue,
+                                             call_half, finish_items, program_items,
+                                             push_to_peers, staging_targets)
+from infini_dist.kernels.symm_signal import never_empty, peer_pointer, take
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -85,11 +85,11 @@ def lamport_two_shot_bytes(numel: int, element_size: int, world_size: int, row_l
     return 2 * slot_elements(half) * element_size
 
 
-def lamport_two_shot_launch(x, buffer, out, **options):
+def lamport_two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
     layout, head, kwargs = fused_arguments(x, buffer, out, **options)
     args = head + (buffer.data_table, buffer.epoch, x.numel(),
-                   part_elements(buffer, x.element_size(), 2), buffer.rank, SPIN_TIMEOUT_NS)
+                   part_elements(buffer, x.element_size(), 2), buffer.rank, tuning.timeout_ns)
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, MAX_PROGRAMS=MAX_PROGRAMS,
                   # Half the barrier kernel's warps: 11.8 vs 12.6 us at 128 x 4096 bf16 on 4 H200s.
                   num_warps=max(4, layout.num_warps // 2))

@@ -120,11 +120,6 @@ def make(premade, num_warps: int, num_stages: int = 1):
 
 # ---- launching a Triton kernel with the host path cut short -------------------------------------
 
-def fast_launch_enabled() -> bool:
-    """INFINI_DIST_FAST_LAUNCH=0 keeps every launch on Triton's normal path (for A/B timing)."""
-    return os.environ.get("INFINI_DIST_FAST_LAUNCH", "1") != "0"
-
-
 _compiled_kernel_type = None
 
 
@@ -165,10 +160,11 @@ class FastLaunch:
 
     What the short path skips: Triton's pre-run hooks (none may be registered, else it is not
     used), its check that the kernel's globals are unchanged, and its re-reading of the debug
-    knobs (set them before the first launch).
+    knobs (set them before the first launch). `enabled=False` keeps every call on the normal
+    path, for A/B timing.
     """
 
-    def __init__(self, kernel, grid, args, kwargs, per_call):
+    def __init__(self, kernel, grid, args, kwargs, per_call, enabled: bool = True):
         signature = inspect.signature(kernel.fn)
         options = {k: v for k, v in kwargs.items() if k not in signature.parameters}
         bound = signature.bind(*args, **{k: v for k, v in kwargs.items()
@@ -199,7 +195,7 @@ class FastLaunch:
                     values[position] = None  # the template keeps no caller tensor either
         self.args = values
         self.count = len(per_call)
-        self._try_fast = fast_launch_enabled()
+        self._try_fast = enabled  # False: the normal path always (the engine's fast_launch flag)
         self._launcher = None
         self._device = None
         self._dtypes = ()

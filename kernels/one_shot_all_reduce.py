@@ -22,9 +22,9 @@ import triton.language as tl
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
-from infini_dist.kernels.symm_device import (advance_epoch, call_half, finish, item_range,
-                                             program_items, push_items)
-from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, block_barrier, peer_pointer
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half, finish,
+                                             item_range, program_items, push_items)
+from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -63,13 +63,13 @@ def one_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
     return 2 * world_size * slot_elements(numel) * element_size
 
 
-def one_shot_launch(x, buffer, out, **options):
+def one_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs) with the launch options in kwargs; options
     as in symm_chain.fused_arguments."""
     layout, head, kwargs = fused_arguments(x, buffer, out, **options)
     args = head + (buffer.data_table, buffer.signal_table, buffer.epoch, x.numel(),
                    slot_elements(x.numel()), part_elements(buffer, x.element_size(), 2),
-                   buffer.rank, SPIN_TIMEOUT_NS)
+                   buffer.rank, tuning.timeout_ns)
     kwargs["MAX_PROGRAMS"] = MAX_PROGRAMS
     return one_shot_all_reduce_kernel, (layout.grid,), args, kwargs
 

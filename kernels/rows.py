@@ -138,7 +138,8 @@ def output(out, shape, dtype, device, what="out") -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{what} has shape {tuple(out.shape)}, expected {tuple(shape)}")
-    check_dtypes(out)
+    if out.dtype != dtype:  # a quantizing chain's fp8 output is stored as such, nothing else
+        check_dtypes(out)
     return out
 
 

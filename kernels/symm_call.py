@@ -13,24 +13,26 @@ from typing import Callable
 import torch
 
 from infini_dist.kernels import symm_buffers
+from infini_dist.kernels.epilogue import SPECS
 from infini_dist.kernels.rows import FLOAT_DTYPES
-from infini_dist.kernels.symm_chain import (ADD, ADD_RMS_NORM, GELU, GELU_TANH, MAX_CHAIN,
-                                            MAX_ROW, MUL, NO_NORM, RELU, RMS_NORM, SCALE, SIGMOID,
-                                            SILU, SWIGLU_GATE, SWIGLU_UP, ChainOp)
+from infini_dist.kernels.symm_chain import (CODES, MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES,
+                                            STEPS, ChainOp)
+from infini_dist.kernels.symm_device import DEFAULT_TUNING
 
+# The norms a weight may select: those of a value (add_rms_norm is rms_norm with `residual`).
+_NORM_ROLES = {name: SPECS[name].symm_norm.roles for name in NORM_CODES
+               if "residual" not in SPECS[name].symm_norm.roles}
 
-# Chain steps by name: (name,) or ("scale", s) or (name, side tensor) for the binary ops.
+# Chain steps by name (symm_chain.STEPS, from the op specs): (name,), (name, number) for a step
+# with a scalar (scale), (name, tensor) for one with a side operand: a tensor of x's shape, or
+# for a "vector" step (bias_add) a 1-D tensor over x's last dim.
 # swiglu_gate: silu(y) * side; swiglu_up: silu(side) * y.
-STEPS = {"relu": RELU, "silu": SILU, "sigmoid": SIGMOID, "gelu": GELU, "gelu_tanh": GELU_TANH,
-         "scale": SCALE, "add": ADD, "mul": MUL, "swiglu_gate": SWIGLU_GATE,
-         "swiglu_up": SWIGLU_UP}
-_SIDED = {ADD.value, MUL.value, SWIGLU_GATE.value, SWIGLU_UP.value}
 
 
-def _like(name: str, tensor, x) -> None:
-    if not isinstance(tensor, torch.Tensor) or tensor.shape != x.shape or tensor.dtype != x.dtype:
-        raise ValueError(f"{name} must be a tensor of x's shape {tuple(x.shape)} and dtype "
-                         f"{x.dtype}")
+def _like(name: str, tensor, x, shape=None) -> None:
+    shape = x.shape if shape is None else shape
+    if not isinstance(tensor, torch.Tensor) or tensor.shape != shape or tensor.dtype != x.dtype:
+        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)} and dtype {x.dtype}")
 
 
 def chain_ops(steps, x, sides: dict) -> tuple:
@@ -43,27 +45,28 @@ def chain_ops(steps, x, sides: dict) -> tuple:
         name, *operands = step
         if name not in STEPS:
             raise ValueError(f"unknown chain step {name!r}; known: {sorted(STEPS)}")
-        code = STEPS[name].value
-        wanted = 1 if code in _SIDED or code == SCALE.value else 0
+        spec = STEPS[name]
+        wanted = 1 if spec.side is not None or spec.scalar is not None else 0
         if len(operands) != wanted:
             raise ValueError(f"chain step {name!r} takes {wanted} operand(s), got {len(operands)}")
-        if code == SCALE.value:
-            ops.append(ChainOp(code, float(operands[0])))
-        elif code in _SIDED:
-            _like(f"the side of {name!r}", operands[0], x)
+        if spec.scalar is not None:
+            ops.append(ChainOp(CODES[name], float(operands[0])))
+        elif spec.side is not None:
+            vector = spec.side == "vector"
+            _like(f"the side of {name!r}", operands[0], x, x.shape[-1:] if vector else None)
             key = f"side{len(sides)}"
             sides[key] = operands[0].contiguous()
-            ops.append(ChainOp(code, side=key))
+            ops.append(ChainOp(CODES[name], float(x.shape[-1]) if vector else 0.0, key))
         else:
-            ops.append(ChainOp(code))
+            ops.append(ChainOp(CODES[name]))
     return tuple(ops)
 
 
 @dataclass(frozen=True)
 class SymmKernel:
     kind: str           # buffer key: launches of one protocol share buffers, others never do
-    launch: Callable    # (x, buffer, out, **symm_chain.fused_arguments options) ->
-    #                     (kernel, grid, args, kwargs)
+    launch: Callable    # (x, buffer, out, *, tuning: SymmTuning, **symm_chain.fused_arguments
+    #                     options) -> (kernel, grid, args, kwargs)
     data_bytes: Callable  # (numel, element_size, world_size, row_len, norm) -> bytes per call
     lamport: bool       # polled buffers: they start empty (symm_buffers.fill_empty)
 
@@ -72,7 +75,7 @@ class SymmKernel:
         return dtype.itemsize * 8 if self.lamport else 0
 
     def __call__(self, x, *, group=None, prologue=(), epilogue=(), weight=None, residual=None,
-                 eps=1e-6, buffer=None):
+                 eps=1e-6, buffer=None, norm="rms_norm", bias=None, tuning=DEFAULT_TUNING):
         """`x` summed over `group` by this kernel, its prologue and epilogue fused. Collective:
         every rank of `group` calls it with the same shapes, dtypes and steps. Unfused torch
         equivalent (every step computes in fp32 and rounds to x.dtype):
@@ -85,10 +88,14 @@ class SymmKernel:
                 residual = y + residual; return rms_norm(residual, weight, eps), residual
             return rms_norm(y, weight, eps) if weight is not None else y
 
+        `norm` names the norm a weight selects: any op of symm_chain.NORM_CODES, e.g.
+        "gemma_rms_norm", or "layer_norm" (with `bias`); a residual is added before any of them.
+
         Steps: up to three of STEPS, e.g. ("relu",), ("scale", 0.5), ("mul", up). The sums are
         fp32 in a fixed order, so every rank gets the same bits. `buffer`: a
         symm_buffers.SymmBuffer to use (default: this kernel's cached symmetric buffer of
-        `group`, allocated on first use, which needs CUDA)."""
+        `group`, allocated on first use, which needs CUDA). `tuning`: a symm_device.SymmTuning,
+        the same on every rank."""
         if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() == 0 \
                 or x.numel() == 0:
             raise ValueError("x must be a non-empty float16, bfloat16 or float32 tensor")
@@ -96,7 +103,7 @@ class SymmKernel:
         sides = {}
         options = dict(prologue=chain_ops(prologue, x, sides),
                        epilogue=chain_ops(epilogue, x, sides), sides=sides, eps=float(eps),
-                       **_norm_options(x, weight, residual))
+                       **_norm_options(x, norm, weight, bias, residual))
         data_bytes = self.data_bytes(x.numel(), x.element_size(), _world_size(group, buffer),
                                      options.get("row_len"), options["norm"])
         if buffer is None:
@@ -107,24 +114,33 @@ class SymmKernel:
                              f"{data_bytes}")
         out = torch.empty_like(x)
         pre = torch.empty_like(x) if residual is not None else None
-        kernel, grid, args, kwargs = self.launch(x, buffer, out, pre=pre, **options)
+        kernel, grid, args, kwargs = self.launch(x, buffer, out, pre=pre, tuning=tuning,
+                                                 **options)
         kernel[grid](*args, **kwargs)
         return (out, pre) if pre is not None else out
 
 
-def _norm_options(x, weight, residual) -> dict:
+def _norm_options(x, norm, weight, bias, residual) -> dict:
     if weight is None:
-        if residual is not None:
-            raise ValueError("a residual needs a weight: it feeds add + rms_norm")
+        if residual is not None or bias is not None:
+            raise ValueError("a residual or a bias needs a weight: they feed the norm")
         return {"norm": NO_NORM.value}
     row_len = x.shape[-1]
     if weight.shape != (row_len,) or not weight.dtype.is_floating_point or row_len > MAX_ROW:
         raise ValueError(f"weight must be a float tensor of shape ({row_len},), with rows of at "
                          f"most {MAX_ROW}")
-    options = {"norm": RMS_NORM.value, "weight": weight.contiguous(), "row_len": row_len}
+    roles = _NORM_ROLES.get(norm)
+    if roles is None:
+        raise ValueError(f"unknown norm {norm!r}; known: {sorted(_NORM_ROLES)}")
+    if (bias is not None) != ("bias" in roles):
+        raise ValueError(f"norm {norm!r} {'needs' if 'bias' in roles else 'takes no'} bias")
+    options = {"norm": NORM_CODES[norm], "weight": weight.contiguous(), "row_len": row_len}
+    if bias is not None:
+        _like("bias", bias, weight, weight.shape)
+        options["bias"] = bias.contiguous()
     if residual is not None:
         _like("residual", residual, x)
-        options.update(norm=ADD_RMS_NORM.value, residual=residual.contiguous())
+        options["residual"] = residual.contiguous()
     return options
 
 

@@ -3,9 +3,10 @@
 A chain is up to three ops, each an op code (constexpr), a scalar and a side-tensor pointer. It
 is the same encoding for the prologue (applied to the local input as it is pushed into symmetric
 memory) and for the epilogue (applied to the reduced value). Every op computes in fp32 and
-rounds once to the tensor dtype, which is exactly what the unfused references in
-`scheduler/op_registry.py` do, so a fused chain and the unfused graph agree to the last bit wherever
-the transcendental functions agree.
+rounds once to the tensor dtype, which is exactly what the ops' references (kernels/epilogue) do,
+so a fused chain and the unfused graph agree to the last bit wherever the transcendental
+functions agree. Each op's device code is in its spec; `apply_op` and `apply_norm` are generated
+from the specs, one constexpr branch per op.
 
 Unfused equivalent of an epilogue `relu, scale(s)` followed by add_rms_norm:
     y = all_reduce(x); y = relu(y); y = y * s
@@ -15,26 +16,26 @@ Unfused equivalent of an epilogue `relu, scale(s)` followed by add_rms_norm:
 from __future__ import annotations
 
 import functools
+import hashlib
+import linecache
 from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
+from infini_dist.kernels.epilogue import SPECS
 from infini_dist.kernels.symm_signal import world_size_pow2
 
-# op codes; SWIGLU_GATE: the chain value is the gate (silu(x) * side); SWIGLU_UP: it is the up
-# projection (silu(side) * x).
-# (tl.constexpr so that kernels may read them; `.value` is the plain int.)
-NONE, ADD, MUL, SCALE, RELU, SILU, GELU, GELU_TANH, SIGMOID, SWIGLU_GATE, SWIGLU_UP = (
-    tl.constexpr(code) for code in range(11))
 MAX_CHAIN = 3
+NONE = NO_NORM = tl.constexpr(0)  # (tl.constexpr so that kernels may read them)
 
-# norm codes: RMS_NORM normalises the (rounded) chain value; ADD_RMS_NORM adds the residual in
-# fp32, normalises that sum and also yields it rounded.
-NO_NORM, RMS_NORM, ADD_RMS_NORM = (tl.constexpr(code) for code in range(3))
-
-_UNARY = {"relu": RELU.value, "silu": SILU.value, "sigmoid": SIGMOID.value}
-_BINARY = {"add": ADD.value, "mul": MUL.value}
+# Op codes, derived from the specs (kernels/epilogue) in their fixed order, so every rank
+# agrees: CODES[step name] for the chain steps, NORM_CODES[op name] for the norm slot.
+_STEPS = [(spec, step) for spec in SPECS.values() for step in spec.symm_steps]
+CODES = {step.name: code for code, (_, step) in enumerate(_STEPS, start=1)}
+STEPS = {step.name: step for _, step in _STEPS}
+_NORMS = [spec for spec in SPECS.values() if spec.symm_norm is not None]
+NORM_CODES = {spec.name: code for code, spec in enumerate(_NORMS, start=1)}
 
 
 @dataclass(frozen=True)
@@ -44,26 +45,35 @@ class ChainOp:
     side: str | None = None  # name of the side tensor in the env
 
 
-def encode_node(node, chain_value: str) -> ChainOp | None:
-    """The ChainOp for an elementwise node applied to `chain_value`, or None if we lack it."""
-    op = node.op_type
+def encode_node(node, chain_value: str, side_kind=lambda name: "row",
+                row_len: int | None = None) -> ChainOp | None:
+    """The ChainOp for an elementwise node applied to `chain_value`, or None if we lack it.
+    `side_kind(name)`: "row", "vector" or None (neither) for the node's other operand."""
+    spec = SPECS.get(node.op_type)
     others = [n for n in node.inputs if n != chain_value]
-    if node.inputs.count(chain_value) != 1:
+    if spec is None or not spec.symm_steps or node.inputs.count(chain_value) != 1 \
+            or len(others) > 1:
         return None  # e.g. mul(y, y): the chain value twice
-    if op in _UNARY and not others:
-        return ChainOp(_UNARY[op])
-    if op == "scale" and not others:
-        scale = node.attr("scale", 1.0)
-        return ChainOp(SCALE.value, float(scale)) if isinstance(scale, (int, float)) else None
-    if op == "gelu" and not others:
-        approximate = node.attr("approximate", "none")
-        return {"none": ChainOp(GELU.value), "tanh": ChainOp(GELU_TANH.value)}.get(approximate)
-    if op in _BINARY and len(others) == 1:
-        return ChainOp(_BINARY[op], side=others[0])
-    if op == "swiglu" and len(others) == 1:
-        code = SWIGLU_GATE.value if node.inputs[0] == chain_value else SWIGLU_UP.value
-        return ChainOp(code, side=others[0])
-    return None
+    side = side_kind(others[0]) if others else None
+    if others and side is None:
+        return None
+    if spec.symm_pick is not None:
+        name = spec.symm_pick(node.inputs.index(chain_value), node.attr_dict, side)
+    else:
+        name = next((step.name for step in spec.symm_steps if step.side == side), None)
+    step = STEPS.get(name)
+    if step is None or step.side != side:
+        return None
+    scalar = 0.0
+    if step.scalar is not None:
+        scalar = node.attr(step.scalar, dict(spec.attrs).get(step.scalar))
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)):
+            return None
+    elif side == "vector":
+        if row_len is None:
+            return None
+        scalar = row_len
+    return ChainOp(CODES[name], float(scalar), others[0] if others else None)
 
 
 def chain_arguments(ops: tuple, env: dict, dummy) -> tuple[tuple, tuple]:
@@ -84,38 +94,56 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid(x):
+def sigmoid_fp32(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
-def apply_op(x, OP: tl.constexpr, scalar, side_ptr, index, mask, DTYPE: tl.constexpr):
-    if OP == ADD or OP == MUL or OP == SWIGLU_GATE or OP == SWIGLU_UP:
-        side = tl.load(side_ptr + index, mask=mask, other=0.0).to(tl.float32)
-    if OP == NONE:
-        y = x  # already rounded: rounding again below changes nothing
-    elif OP == ADD:
-        y = x + side
-    elif OP == MUL:
-        y = x * side
-    elif OP == SCALE:
-        y = x * scalar
-    elif OP == RELU:
-        y = tl.maximum(x, 0.0)
-    elif OP == SILU:
-        y = x * _sigmoid(x)
-    elif OP == GELU:
-        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif OP == GELU_TANH:
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        y = 0.5 * x * (1.0 + (2.0 * _sigmoid(2.0 * inner) - 1.0))  # tanh(u) = 2 sigmoid(2u) - 1
-    elif OP == SIGMOID:
-        y = _sigmoid(x)
-    elif OP == SWIGLU_GATE:
-        y = x * _sigmoid(x) * side
-    else:  # SWIGLU_UP
-        y = side * _sigmoid(side) * x
-    return round_to(y, DTYPE)
+_LOADS = {"row": "side_ptr + index",
+          "vector": "side_ptr + index % tl.cast(scalar, tl.int64)"}  # scalar: the row length
+
+
+def dispatch_source() -> str:
+    """`apply_op` (a chain step by op code) and `apply_norm` (the norm slot by norm code), with
+    one constexpr branch per spec'd step and norm."""
+    lines = ["@triton.jit",
+             "def apply_op(x, OP: tl.constexpr, scalar, side_ptr, index, mask, "
+             "DTYPE: tl.constexpr):",
+             "    if OP == 0:",
+             "        y = x  # already rounded: rounding again below changes nothing"]
+    for name, code in CODES.items():
+        step = STEPS[name]
+        lines.append(f"    elif OP == {code}:  # {name}")
+        if step.side is not None:
+            lines.append(f"        side = tl.load({_LOADS[step.side]}, mask=mask, "
+                         f"other=0.0).to(tl.float32)")
+        lines.append(f"        y = {step.expr}")
+    lines += ["    return round_to(y, DTYPE)", "", "",
+              "@triton.jit",
+              "def apply_norm(y, column, mask, weight_ptr, bias_ptr, eps, NORM: tl.constexpr, "
+              "ROW_LEN: tl.constexpr):",
+              "    weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)"]
+    for i, spec in enumerate(_NORMS):
+        lines.append(f"    {'if' if i == 0 else 'elif'} NORM == {NORM_CODES[spec.name]}:"
+                     f"  # {spec.name}")
+        if "bias" in spec.symm_norm.roles:
+            lines.append("        bias = tl.load(bias_ptr + column, mask=mask, "
+                         "other=0.0).to(tl.float32)")
+        lines += [f"        {line}" for line in spec.symm_norm.code.splitlines()]
+    lines.append("    return y")
+    return "\n".join(lines) + "\n"
+
+
+def _dispatch():
+    source = dispatch_source()
+    filename = f"<infini_dist symm dispatch {hashlib.sha256(source.encode()).hexdigest()[:16]}>"
+    # Triton reads a jit function's source back with inspect.getsource.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"triton": triton, "tl": tl, "round_to": round_to, "sigmoid_fp32": sigmoid_fp32}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["apply_op"], namespace["apply_norm"]
+
+
+apply_op, apply_norm = _dispatch()
 
 
 @triton.jit
@@ -127,26 +155,26 @@ def apply_chain(x, index, mask, OP0: tl.constexpr, scalar0, side0, OP1: tl.const
 
 
 @triton.jit
-def finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, residual_ptr, eps,
+def finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, bias_ptr, residual_ptr, eps,
                 E_OP0: tl.constexpr, e_scalar0, e_side0, E_OP1: tl.constexpr, e_scalar1, e_side1,
-                E_OP2: tl.constexpr, e_scalar2, e_side2,
-                NORM: tl.constexpr, WRITE_PRE: tl.constexpr, ROW_LEN: tl.constexpr):
+                E_OP2: tl.constexpr, e_scalar2, e_side2, NORM: tl.constexpr,
+                RESIDUAL: tl.constexpr, WRITE_PRE: tl.constexpr, ROW_LEN: tl.constexpr):
     """Epilogue of one item (a row when NORM != NO_NORM) from its reduced value `y` (fp32, already
-    rounded to the output dtype like the all_reduce output), then its stores. `y` may also be a
-    [group, row] tile of several items; `column` then is [1, row]."""
+    rounded to the output dtype like the all_reduce output), then its stores. RESIDUAL: the
+    residual is added in fp32 before the norm, and that sum is the value `pre` stores. `y` may
+    also be a [group, row] tile of several items; `column` then is [1, row]."""
     y = apply_chain(y, index, mask, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
                     E_OP2, e_scalar2, e_side2, out_ptr.dtype.element_ty)
     if NORM == NO_NORM:
         tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        if NORM == ADD_RMS_NORM:
+        if RESIDUAL:
             y = y + tl.load(residual_ptr + index, mask=mask, other=0.0).to(tl.float32)
         if WRITE_PRE:
             tl.store(pre_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
-        y = tl.where(mask, y, 0.0)
-        inverse = tl.math.rsqrt(tl.sum(y * y, axis=-1, keep_dims=True) / ROW_LEN + eps)
-        weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + index, (y * inverse * weight).to(out_ptr.dtype.element_ty), mask=mask)
+        y = apply_norm(tl.where(mask, y, 0.0), column, mask, weight_ptr, bias_ptr, eps, NORM,
+                       ROW_LEN)
+        tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- host side: how a tensor is cut into items and programs --------------------------------------
@@ -185,12 +213,13 @@ def launch_layout(numel: int, row_len: int | None, norm: int, world_size: int) -
 
 
 def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                    weight=None, residual=None, eps=1e-6, pre=None, row_len=None):
+                    weight=None, bias=None, residual=None, eps=1e-6, pre=None, row_len=None):
     """What every fused symmetric-memory launch on `buffer` (symm_buffers.SymmBuffer) shares,
     as (layout, leading args, kwargs). `prologue` / `epilogue` are ChainOps whose side tensors
-    are looked up in `sides`; `norm` is a norm code, with `weight` and (ADD_RMS_NORM) `residual`
-    over rows of `row_len`. The kernel writes `out` and, if given, `pre` (the value the norm
-    normalises, i.e. the new residual); x stands in for the pointers a launch does not use.
+    are looked up in `sides`; `norm` is a norm code, with `weight`, `bias` (layer_norm) and
+    `residual` (added before the norm) over rows of `row_len`. The kernel writes `out` and, if
+    given, `pre` (the value the norm normalises, i.e. the new residual); x stands in for the
+    pointers a launch does not use.
     Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
     bound once and reused with other tensors of the same shape (scheduler/backends/symm.PreparedLaunch)."""
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
@@ -199,10 +228,10 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     # The kernels take x, then the prologue and the epilogue as tuples (symm_device): the
     # epilogue's runtime part leads with its outputs and the norm's operands.
     outputs = (out, x if pre is None else pre, x if weight is None else weight,
-               x if residual is None else residual, float(eps))
+               x if bias is None else bias, x if residual is None else residual, float(eps))
     head = (x, p_values, outputs + e_values)
     kwargs = dict(
-        PROLOGUE=p_codes, EPILOGUE=e_codes + (norm, pre is not None), ITEM=layout.item,
-        BLOCK=layout.block, WORLD_SIZE=buffer.world_size,
+        PROLOGUE=p_codes, EPILOGUE=e_codes + (norm, residual is not None, pre is not None),
+        ITEM=layout.item, BLOCK=layout.block, WORLD_SIZE=buffer.world_size,
         WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
     return layout, head, kwargs

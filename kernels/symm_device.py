@@ -9,8 +9,9 @@ composes, so that each kernel reads as signature, phases, launch.
   stores only, staggered so peers are not all hit at once.
 - The chains (`apply_prologue`, `finish`): the symm_chain ops, unpacked from the kernels' tuple
   arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE = (OP0, OP1, OP2) and
-  EPILOGUE = (OP0, OP1, OP2, NORM, WRITE_PRE) constexpr, `prologue` = (scalar, side) x 3 and
-  `epilogue` = (out, pre, weight, residual, eps) + (scalar, side) x 3 (symm_chain.fused_arguments).
+  EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE) constexpr, `prologue` = (scalar, side) x 3
+  and `epilogue` = (out, pre, weight, bias, residual, eps) + (scalar, side) x 3
+  (symm_chain.fused_arguments).
 - The two-shot phases over groups of items (`staging_targets`, `scatter_items`, `reduce_items`,
   `finish_items`), shared by the barrier, Lamport and polled-gather two-shot kernels.
 
@@ -19,13 +20,13 @@ Barriers and Lamport signalling are in symm_signal; op codes and layouts in symm
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
 from infini_dist.kernels.symm_chain import apply_chain, finish_item
-from infini_dist.kernels.symm_signal import never_empty, peer_pointer, take
+from infini_dist.kernels.symm_signal import DEFAULT_TIMEOUT_S, never_empty, peer_pointer, take
 
 
 @triton.jit
@@ -84,8 +85,8 @@ def apply_prologue(x, index, mask, chain, OPS: tl.constexpr, DTYPE: tl.constexpr
 def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr):
     """symm_chain.finish_item (the epilogue chain, the norm, the stores) of the reduced `y`."""
     finish_item(y, index, column, mask, epilogue[0], epilogue[1], epilogue[2], epilogue[3],
-                epilogue[4], OPS[0], epilogue[5], epilogue[6], OPS[1], epilogue[7], epilogue[8],
-                OPS[2], epilogue[9], epilogue[10], OPS[3], OPS[4], ITEM)
+                epilogue[4], epilogue[5], OPS[0], epilogue[6], epilogue[7], OPS[1], epilogue[8],
+                epilogue[9], OPS[2], epilogue[10], epilogue[11], OPS[3], OPS[4], OPS[5], ITEM)
 
 
 @triton.jit
@@ -186,14 +187,40 @@ def finish_items(local, gathered, first, last, programs, numel, epilogue, OPS: t
 
 # ---- host side ---------------------------------------------------------------------------------
 
-def group_items(items: int, grid: int) -> int:
+@dataclass(frozen=True)
+class SymmTuning:
+    """Launch knobs for experiments, passed to every launch (the engine passes its symm_*
+    settings). They shape the launch, so every rank must pass the same. `timeout_s`: a wait past it traps the kernel. `group_items`, `round_items`: n > 0
+    forces the two-shot items per step (`group_items`) and per round (two_shot_all_reduce's
+    `round_items`); 0 picks by size."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    group_items: int = 0
+    round_items: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
+        for name in ("group_items", "round_items"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+
+DEFAULT_TUNING = SymmTuning()
+
+
+def group_items(items: int, grid: int, tuning: SymmTuning = DEFAULT_TUNING) -> int:
     """Items a program moves at once in each phase: more bytes in flight per program. One item
     (8 KiB of bf16 at hidden 4096) leaves the copy latency-bound; on 4 H200s, add_rms_norm
     x 4096 bf16 went 56.6 -> 54.0 us at 1024 tokens with 2, 364.5 -> 331.1 us at 8192 with 4
-    (8 at 8192 was slower again: 377 us, registers). INFINI_DIST_SYMM_GROUP_ITEMS=n > 0 forces n
-    (a power of two), the same on every rank."""
-    override = int(os.environ.get("INFINI_DIST_SYMM_GROUP_ITEMS", "0"))
-    if override > 0:
-        return triton.next_power_of_2(override)
+    (8 at 8192 was slower again: 377 us, registers). tuning.group_items = n > 0 forces n, rounded
+    up to a power of two."""
+    if tuning.group_items > 0:
+        return triton.next_power_of_2(tuning.group_items)
     per_program = triton.cdiv(items, grid)
     return 4 if per_program >= 16 else 2 if per_program >= 4 else 1

@@ -11,14 +11,13 @@ Program b on one rank pairs only with program b on its peers, so every rank must
 same grid (the host code derives it from shapes alone).
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-# A wait longer than this traps the kernel: a peer that never arrives becomes a CUDA error in
-# every process instead of a silent hang. Generous, since a peer may be late for host reasons.
-SPIN_TIMEOUT_NS = int(float(os.environ.get("INFINI_DIST_SYMM_TIMEOUT_S", "300")) * 1e9)
+# The default of a wait's limit (SymmTuning.timeout_s): past it the kernel traps, so a peer that
+# never arrives becomes a CUDA error in every process instead of a silent hang. Generous, since a
+# peer may be late for host reasons.
+DEFAULT_TIMEOUT_S = 300.0
 
 
 @triton.jit

@@ -22,17 +22,16 @@ previous launch, phase 3 included.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from infini_dist.kernels.symm_buffers import slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import fused_arguments, launch_layout
-from infini_dist.kernels.symm_device import (finish_items, group_items, program_items,
-                                             reduce_items, scatter_items, staging_targets)
-from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, block_barrier, peer_pointer
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, SymmTuning, finish_items,
+                                             group_items, program_items, reduce_items,
+                                             scatter_items, staging_targets)
+from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "round_items"])
@@ -79,27 +78,25 @@ def two_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
     return (world_size * items * layout.sub + slot_elements(numel)) * element_size
 
 
-def round_items(items: int, grid: int) -> int:
+def round_items(items: int, grid: int, tuning: SymmTuning = DEFAULT_TUNING) -> int:
     """Items per program per round: 16 once a program has 32 or more (overlapping phase 3 with
     the next round's transfers took 392 -> 377 us at 8192 x 4096 bf16 on 4 H200s; see
-    docs/notes_symm.md), else one round. INFINI_DIST_SYMM_ROUND_ITEMS=n > 0 forces n; it must
-    be the same on every rank, like everything that shapes a launch."""
-    override = int(os.environ.get("INFINI_DIST_SYMM_ROUND_ITEMS", "0"))
+    docs/notes_symm.md), else one round. tuning.round_items = n > 0 forces n."""
+    if tuning.round_items > 0:
+        return tuning.round_items
     per_program = triton.cdiv(items, grid)
-    if override > 0:
-        return override
     return 16 if per_program >= 32 else max(1, per_program)
 
 
-def two_shot_launch(x, buffer, out, **options):
+def two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs) with the launch options in kwargs; options
     as in symm_chain.fused_arguments."""
     layout, head, kwargs = fused_arguments(x, buffer, out, **options)
     items = triton.cdiv(x.numel(), layout.item)
     args = head + (buffer.data_table, buffer.signal_table, x.numel(), buffer.rank,
-                   SPIN_TIMEOUT_NS, round_items(items, layout.grid))
+                   tuning.timeout_ns, round_items(items, layout.grid, tuning))
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block,
-                  GROUP=group_items(items, layout.grid))
+                  GROUP=group_items(items, layout.grid, tuning))
     return two_shot_all_reduce_kernel, (layout.grid,), args, kwargs
 
 

@@ -28,10 +28,10 @@ import triton.language as tl
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, launch_layout
-from infini_dist.kernels.symm_device import (advance_epoch, call_half, finish_items, group_items,
-                                             program_items, reduce_items, scatter_items,
-                                             staging_targets)
-from infini_dist.kernels.symm_signal import SPIN_TIMEOUT_NS, block_barrier, peer_pointer
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half,
+                                             finish_items, group_items, program_items,
+                                             reduce_items, scatter_items, staging_targets)
+from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -81,14 +81,14 @@ def polled_gather_bytes(numel: int, element_size: int, world_size: int, row_len=
     return 4 * slot_elements(staging) * element_size
 
 
-def two_shot_polled_gather_launch(x, buffer, out, **options):
+def two_shot_polled_gather_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
     layout, head, kwargs = fused_arguments(x, buffer, out, **options)
-    group = group_items(triton.cdiv(x.numel(), layout.item), layout.grid)
+    group = group_items(triton.cdiv(x.numel(), layout.item), layout.grid, tuning)
     # Halves start every half buffer; in each, the gathered copy a quarter buffer in.
     args = head + (buffer.data_table, buffer.signal_table, buffer.epoch, x.numel(),
                    part_elements(buffer, x.element_size(), 2),
-                   part_elements(buffer, x.element_size(), 4), buffer.rank, SPIN_TIMEOUT_NS)
+                   part_elements(buffer, x.element_size(), 4), buffer.rank, tuning.timeout_ns)
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, GROUP=group,
                   MAX_PROGRAMS=MAX_PROGRAMS,
                   # About 32 elements of a [group, row] tile a thread: on 4 H200s, add_rms_norm

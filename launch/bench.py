@@ -16,6 +16,8 @@ in this one run, max over ranks (a collective is as slow as its slowest rank):
   symm_two_shot     copy into a symmetric tensor + two_shot_all_reduce_ + eager epilogue
   cand:<choice>     every choice the engine generates for the site (cand:native included)
   engine            executor_for(graph, settings).run(...): the engine's committed choice
+  fi_*              FlashInfer's trtllm all-reduce (+ fusion) kernels, when it is installed
+                    (launch/peers_flashinfer.py)
 Writes a table on stdout, results.json and latency.png under --out, and lists every case where
 the engine row is above the native row by more than --noise. With --cpu-smoke it runs on gloo
 CPU ranks (no graphs, no symmetric memory) to check the script itself.
@@ -38,6 +40,7 @@ from infini_dist.scheduler.choices import RunContext, native_choice
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
 from infini_dist.launch import shutdown
+from infini_dist.launch.peers_flashinfer import engine_vs_flashinfer, open_peers as open_flashinfer
 
 EPS = 1e-6
 SCALE = 0.5
@@ -182,8 +185,10 @@ def peers(pattern, inputs, group, cuda, compile_peer):
 def engine_candidates(graph, inputs, group, device, native_inductor=False):
     """The engine's choices for the site of `graph`, precompiled, by name (with the native
     choice of a compiled site as `native_inductor`)."""
-    executor = executor_for(graph, infini_dist.config.snapshot())
-    ctx = RunContext(group, dist.get_world_size(group), dist.get_rank(group), device)
+    settings = infini_dist.config.snapshot()
+    executor = executor_for(graph, settings)
+    ctx = RunContext(group, dist.get_world_size(group), dist.get_rank(group), device,
+                     settings=settings)
     runner = executor.site_runners()[0]
     choices, meta, _ = runner.candidates(dict(inputs), ctx)
     named = [(f"cand:{c.name}", c) for c in choices]
@@ -217,11 +222,14 @@ def above_native(rows, noise: float) -> list[dict]:
     return found
 
 
-def run_case(args, pattern, tokens, device, group, timer):
+def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
     dtype = getattr(torch, args.dtype)
     inputs = make_inputs(pattern, tokens, args.hidden, dtype, device, dist.get_rank())
     graph = pattern_graph(pattern)
     impls = peers(pattern, inputs, group, device.type == "cuda", args.compile_peer)
+    if flashinfer is not None:
+        impls.update(flashinfer.peers(pattern, inputs,
+                                      lambda y, sides: eager_epilogue(pattern, y, sides), EPS))
     executor, candidates = engine_candidates(graph, inputs, group, device,
                                              device.type == "cuda" and args.native_inductor)
     # The engine decides on its first (eager) call, in lockstep on all ranks.
@@ -321,10 +329,12 @@ def main(argv=None):
         torch.cuda.set_device(device)
         dist.init_process_group("nccl")
     timer = Timer(device, args.trials, args.replays)
+    flashinfer = open_flashinfer(None, max(tokens), args.hidden, getattr(torch, args.dtype),
+                                 device)
     rows, cases = [], {}
     for pattern in patterns:
         for t in tokens:
-            case_rows, info = run_case(args, pattern, t, device, None, timer)
+            case_rows, info = run_case(args, pattern, t, device, None, timer, flashinfer)
             rows += case_rows
             cases[f"{pattern}/{t}"] = info
             if dist.get_rank() == 0:
@@ -337,6 +347,9 @@ def main(argv=None):
         print(f"\nengine above native by more than {args.noise:.0%}: "
               + (", ".join(f"{s['pattern']}/{s['tokens']} {s['mode']} {s['engine_us']:.1f} vs "
                            f"{s['native_us']:.1f} us" for s in slower) or "none"))
+        if flashinfer is not None:
+            print("engine speed-up over the fastest flashinfer row (graph): "
+                  + (", ".join(engine_vs_flashinfer(rows)) or "no rows"))
         os.makedirs(args.out, exist_ok=True)
         meta = {"world_size": dist.get_world_size(), "hidden": args.hidden, "dtype": args.dtype,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -351,6 +364,8 @@ def main(argv=None):
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         plotted = plot(rows, patterns, os.path.join(args.out, "latency.png"))
         print(f"\nwrote {args.out}/results.json" + (" and latency.png" if plotted else ""))
+    if flashinfer is not None:
+        flashinfer.close()
     shutdown()
 
 

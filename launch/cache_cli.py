@@ -11,18 +11,19 @@ import json
 import sys
 from pathlib import Path
 
-from infini_dist.scheduler.cache import versions
+from infini_dist.scheduler.cache import read_record, versions
 
 
 def _records(cache_dir: Path) -> list[tuple[str, dict | None]]:
-    """(key, record or None where the file is unreadable), by key."""
+    """(key, record or None where the file is unreadable), by key. Read as the engine reads
+    them: a FIFO, a directory or deep JSON named like a record is unreadable, never a hang."""
     rows = []
     for path in sorted(cache_dir.glob("*.json")):
         try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+            record = read_record(path)
+        except Exception:  # noqa: BLE001 - RecursionError from deep JSON too
             record = None
-        rows.append((path.stem, record if isinstance(record, dict) else None))
+        rows.append((path.stem, record))
     return rows
 
 
@@ -91,7 +92,11 @@ def main(argv=None) -> int:
                   f"{cache_dir}" + (f": {', '.join(k[:12] for k in found)}" if found else ""),
                   file=sys.stderr)
             return 2
-        print((cache_dir / f"{found[0]}.json").read_text())
+        record = dict(records)[found[0]]
+        if record is None:
+            print(f"infini-dist cache show: {found[0]} is unreadable", file=sys.stderr)
+            return 2
+        print(json.dumps(record, indent=1, sort_keys=True))  # as write_disk wrote it
         return 0
     chosen = keys
     if args.keys:

@@ -75,7 +75,7 @@ class DecisionCache:
         type (a directory, a FIFO, deep JSON) is warned about and treated as a miss."""
         path = self.path(cache_dir, key)
         try:
-            record = _read_record(path)
+            record = read_record(path)
         except FileNotFoundError:
             return None
         except Exception as error:  # noqa: BLE001 - RecursionError from deep JSON too
@@ -111,7 +111,8 @@ class DecisionCache:
 MAX_RECORD_BYTES = 1 << 20  # a record is a few kB; anything larger is not ours
 
 
-def _read_record(path: Path) -> dict:
+def read_record(path: Path) -> dict:
+    """A decision record from `path`; raises on anything that is not one. Never blocks."""
     # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it anyway.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:

@@ -18,7 +18,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from infini_dist.scheduler import op_registry
+from infini_dist.config import Settings
+from infini_dist.scheduler import op_registry, sum_first
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, live_outputs
 
 
@@ -42,6 +43,9 @@ class RunContext:
     # Every rank of the group on one host (the control plane compares host ids). NVLink-only
     # algorithms need it; default True where there is no group to ask.
     single_host: bool = True
+    # The engine's settings; the kernel launch knobs (symm_*, fast_launch) come from here.
+    # None: the kernels' defaults.
+    settings: Settings | None = None
 
 
 def resolve_group(name: str | None, default=None):
@@ -192,6 +196,11 @@ class Choice:
         self._runner: Runner | None = None
         self.outputs = live_outputs(graph, site.region)
 
+    @property
+    def fuses_nothing(self) -> bool:
+        """Native, or a collective of ours with every other op of the site run natively."""
+        return self.span is None or not self.span.fuses_anything
+
     def precompile(self, meta: dict[str, TensorMeta], ctx: RunContext) -> None:
         self._ctx = ctx
         if self.span is not None:
@@ -235,6 +244,13 @@ def generate_choices(graph: SubGraph, site: Site, meta: dict[str, TensorMeta], c
     """The native choice first, then every supported fused choice, in a deterministic order."""
     fused = _fused_choices(graph, site, site, meta, ctx, [], "", set(fusion_types), max_depth,
                            recursive, enable_fusion)
+    summed = sum_first.rewrite(graph, site, meta) if enable_fusion and recursive else None
+    if summed is not None:  # coalesced all_reduces only added up: one all_reduce of the sum
+        new_graph, new_site, new_meta = summed
+        fused.append(Choice(sum_first.PREFIX + NATIVE, [("nodes", new_site.region)], new_graph,
+                            new_site))
+        fused += _fused_choices(new_graph, new_site, new_site, new_meta, ctx, [], sum_first.PREFIX,
+                                set(fusion_types), max_depth, recursive, enable_fusion)
     return [native_choice(graph, site, compiled)] + fused
 
 

@@ -37,7 +37,6 @@ from infini_dist.scheduler.shapes import site_meta
 
 log = logging.getLogger("infini_dist")
 
-
 # Test hook: transforms this rank's medians before they are shared (inject timing noise).
 timing_hook = None
 
@@ -56,11 +55,6 @@ def _digest(values: dict) -> str:
         h.update(name.encode())
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
-
-
-def _native_like(choice: Choice) -> bool:
-    """Native, or an algorithm choice that fuses nothing (a collective alone + native ops)."""
-    return choice.span is None or not choice.span.fuses_anything
 
 
 class SiteRunner:
@@ -124,9 +118,9 @@ class SiteRunner:
     def _context(self, values: dict, group) -> RunContext:
         device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)),
                       torch.device("cpu"))
-        if self.has_collective or dist.is_initialized():
-            return RunContext(group, dist.get_world_size(group), dist.get_rank(group), device)
-        return RunContext(group, 1, 0, device)
+        ranks = ((dist.get_world_size(group), dist.get_rank(group))
+                 if self.has_collective or dist.is_initialized() else (1, 0))
+        return RunContext(group, *ranks, device, settings=self.settings)
 
     def candidates(self, values: dict, ctx: RunContext) -> tuple[list[Choice], dict, dict]:
         """(choices, meta, reference) for these inputs: one pass through the fp32 references
@@ -189,20 +183,20 @@ class SiteRunner:
         name = self._decided.get(bucket)
         if name is None:
             tuned = buckets.at_bound(values, tokens) if tokens else values
-            baseline_only = any(isinstance(v, torch.Tensor) and
-                                (not v.dtype.is_floating_point or v.numel() == 0)
-                                for v in tuned.values())
-            choice = self._tune(tuned, ctx, plane, baseline_only)
+            choice = self._tune(tuned, ctx, plane, baseline_only=any(
+                isinstance(v, torch.Tensor) and (not v.dtype.is_floating_point or v.numel() == 0)
+                for v in tuned.values()))
             # The committed choice's first call (collective setup after a cache hit: symmetric
             # buffers, rendezvous, launch binding) happens here too, in lockstep on every rank,
-            # at the bucket bound: buffers are sized for every count of the bucket.
-            choice.run(tuned)
+            # at the bucket bound: buffers are sized for every count of the bucket. Agreed: a
+            # rank failing before its collective must not leave its peers inside theirs.
+            lockstep.agreed(self.settings, plane, "first run", lambda: choice.run(tuned))
             self._decided[bucket] = choice.name
             if buckets.same_layout(values, tuned):
                 return choice
             name = choice.name
         choice = self._specialize(name, values, ctx, plane)
-        choice.run(values)  # its first call (launch binding) here too, every rank alike
+        lockstep.agreed(self.settings, plane, "first run", lambda: choice.run(values))
         return choice
 
     def _specialize(self, name: str, values: dict, ctx: RunContext, plane) -> Choice:
@@ -331,7 +325,7 @@ class SiteRunner:
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]
         worst = {n: max(m[n] for m in all_medians) for n in medians}
         survivors = [c for c in survivors if c.name in medians]
-        native_like = {c.name for c in survivors if _native_like(c)}
+        native_like = {c.name for c in survivors if c.fuses_nothing}
         mine = benchmark.pick(worst, NATIVE, native_like, s.fusion_speedup_threshold)
         if plane is not None:
             plane.agree(mine, "decision", "the chosen choice")

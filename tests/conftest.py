@@ -24,3 +24,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA GPUs"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """A process where Triton interprets kernels on the CPU (tests/interpreter_worker.py)."""
+    from interpreter_worker import interpreter_pool, interpreter_unusable
+    if interpreter_unusable():
+        pytest.skip(interpreter_unusable())
+    with interpreter_pool(str(tmp_path_factory.mktemp("ninetoothed_home"))) as p:
+        yield p

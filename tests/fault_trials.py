@@ -100,10 +100,9 @@ def _hang(s):
 
 
 def summarize(summaries: list[dict]) -> dict:
-    divergent, hang = _divergent, _hang
     return {"trials": len(summaries),
-            "hangs": sum(hang(s) for s in summaries),
-            "divergent": sum(divergent(s) for s in summaries),
+            "hangs": sum(_hang(s) for s in summaries),
+            "divergent": sum(_divergent(s) for s in summaries),
             "wrong": sum("WRONG" in s["outcomes"] for s in summaries),
             "committed": sum(all(o == "ok" for o in s["outcomes"]) for s in summaries),
             "failed_everywhere": sum(all(o != "ok" for o in s["outcomes"]) for s in summaries),

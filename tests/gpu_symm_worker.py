@@ -11,10 +11,12 @@ a plain callable (symm_call.SymmKernel), and the engine end to end. Prints 'ALL 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
-os.environ.setdefault("INFINI_DIST_SYMM_TIMEOUT_S", "60")  # a lost peer traps, never hangs
+# A lost peer traps, never hangs; read into infini_dist.config.symm_timeout_s on import.
+os.environ.setdefault("INFINI_DIST_SYMM_TIMEOUT_S", "60")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -25,6 +27,7 @@ from symm_cases import (PATTERNS, build, digest, full_span, make_inputs, max_err
 
 import infini_dist  # noqa: E402
 from infini_dist.kernels import symm_buffers  # noqa: E402
+from infini_dist.scheduler.backends.symm import tuning_of  # noqa: E402
 from infini_dist.scheduler.choices import RunContext  # noqa: E402
 from symm_runs import CALLABLE_CASES, by_callable, symm_algorithms  # noqa: E402
 
@@ -76,7 +79,7 @@ def check_callable(algorithm, ctx, shape=(7, 4096), dtype=torch.bfloat16):
         for call in range(2):
             everyone, local = inputs_for(graph, shape, dtype, call, ctx.world_size, ctx.rank,
                                          ctx.device)
-            got = by_callable(algorithm.kernel, pattern, local)
+            got = by_callable(algorithm.kernel, pattern, local, tuning=tuning_of(ctx.settings))
             error = max_error(got, reference(graph, everyone, ctx.rank))
             name = f"callable {algorithm.name} {pattern} call {call}"
             check(error <= TOLERANCE[dtype], f"{name}: error {error:.3g}")
@@ -145,7 +148,8 @@ def main():
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
-    ctx = RunContext(None, dist.get_world_size(), dist.get_rank(), torch.device("cuda", rank))
+    ctx = RunContext(None, dist.get_world_size(), dist.get_rank(), torch.device("cuda", rank),
+                     settings=infini_dist.config.snapshot())
     registered = symm_algorithms()
     if args.only not in (None, "engine", *registered):
         raise SystemExit(f"--only {args.only}: registered are {sorted(registered)}")
@@ -175,11 +179,11 @@ def main():
     if two_shot in algorithms:
         # Last, since a failure traps the process: two-shot in rounds (phase 3 of a round
         # beside phase 2 of the next), rows and chunks.
-        os.environ["INFINI_DIST_SYMM_ROUND_ITEMS"] = "4"
-        check_eager(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, ctx)
-        check_eager(two_shot, "relu_scale", (2048, 4096), torch.bfloat16, ctx)
-        check_graph_replay(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, ctx)
-        del os.environ["INFINI_DIST_SYMM_ROUND_ITEMS"]
+        rounds = dataclasses.replace(
+            ctx, settings=dataclasses.replace(ctx.settings, symm_round_items=4))
+        check_eager(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, rounds)
+        check_eager(two_shot, "relu_scale", (2048, 4096), torch.bfloat16, rounds)
+        check_graph_replay(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, rounds)
     if rank == 0:
         print("buffers:", symm_buffers.cached_buffers(), flush=True)
     ok = same_everywhere(not failures) and not failures

@@ -12,6 +12,7 @@ import hashlib
 
 import torch
 
+from infini_dist.kernels.epilogue import SPECS
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 
@@ -22,17 +23,39 @@ def _graph(nodes, inputs, outputs):
     return SubGraph(tuple(nodes), tuple(inputs), tuple(outputs))
 
 
-def build(pattern: str) -> SubGraph:
+def _spec_patterns() -> dict:
+    """A pattern per norm and per vector step of the op specs (kernels/epilogue), so every
+    symmetric-memory kernel covers an op as soon as its spec exists: "add_then_<norm>" (the
+    residual add, then the norm: weight "w", bias "b") and "<step>" (y op b, b a 1-D vector)."""
     ar = OpNode("all_reduce", ("x",), ("y",))
+    patterns = {}
+    for spec in SPECS.values():
+        roles = spec.symm_norm.roles if spec.symm_norm else ("residual",)
+        if "residual" not in roles:
+            operands = ("s",) + tuple({"weight": "w", "bias": "b"}[r] for r in roles[1:])
+            patterns[f"add_then_{spec.name}"] = _graph(
+                [ar, OpNode("add", ("res", "y"), ("s",)),
+                 OpNode(spec.name, operands, ("n",), {"eps": 1e-5})],
+                ["x", "res", *operands[1:]], ["n", "s"])
+        for step in spec.symm_steps:
+            if step.side == "vector":
+                patterns[step.name] = _graph([ar, OpNode(spec.name, ("y", "b"), ("o",))],
+                                             ["x", "b"], ["o"])
+    return patterns
+
+
+SPEC_PATTERNS = _spec_patterns()
+
+
+def build(pattern) -> SubGraph:
+    ar = OpNode("all_reduce", ("x",), ("y",))
+    if pattern in SPEC_PATTERNS:
+        return SPEC_PATTERNS[pattern]
     if pattern == "plain":
         return _graph([ar], ["x"], ["y"])
     if pattern == "add_rms_norm":
         return _graph([ar, OpNode("add_rms_norm", ("y", "res", "w"), ("n", "r"), {"eps": 1e-5})],
                       ["x", "res", "w"], ["n", "r"])
-    if pattern == "add_then_rms_norm":
-        return _graph([ar, OpNode("add", ("res", "y"), ("s",)),
-                       OpNode("rms_norm", ("s", "w"), ("n",), {"eps": 1e-6})],
-                      ["x", "res", "w"], ["n", "s"])
     if pattern == "relu_scale":
         return _graph([ar, OpNode("relu", ("y",), ("a",)),
                        OpNode("scale", ("a",), ("b",), {"scale": 0.37})], ["x"], ["b"])
@@ -55,8 +78,8 @@ def build(pattern: str) -> SubGraph:
     raise ValueError(pattern)
 
 
-PATTERNS = ("plain", "add_rms_norm", "add_then_rms_norm", "relu_scale", "swiglu", "swiglu_up",
-            "prologue_gelu", "prologue_norm")
+PATTERNS = ("plain", "add_rms_norm", "relu_scale", "swiglu", "swiglu_up", "prologue_gelu",
+            "prologue_norm") + tuple(SPEC_PATTERNS)
 
 
 def full_span(graph: SubGraph) -> FusedSpan:
@@ -70,7 +93,7 @@ def make_inputs(graph, shape, dtype, rank, call, device="cpu") -> dict:
     for name in graph.input_names:
         seed = 1000 * call + (rank + 1 if name == "x" else 100 + len(values))
         g = torch.Generator().manual_seed(seed)
-        size = (shape[-1],) if name == "w" else shape
+        size = (shape[-1],) if name in ("w", "b") else shape
         t = torch.randn(size, generator=g)
         if name == "w":
             t = 0.5 + t.abs()

@@ -18,9 +18,10 @@ import sys
 
 import torch
 
-from infini_dist.scheduler.backends.symm import plan_span
+from infini_dist.kernels.symm_device import DEFAULT_TUNING
+from infini_dist.scheduler.backends.symm import plan_span, tuning_of
 from infini_dist.scheduler.choices import RunContext, algorithms_for
-from multirank import run_ranks
+from multirank import SAFE_GPU_ENV, run_ranks
 from symm_cases import build, digest, full_span, make_inputs, max_error, meta_of, reference
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -80,9 +81,9 @@ CALLABLE_CASES = {
 }
 
 
-def by_callable(function, pattern, values, buffer=None):
+def by_callable(function, pattern, values, buffer=None, tuning=DEFAULT_TUNING):
     """A CALLABLE_CASES pattern through `function` (a kernel's plain callable), outputs by name."""
-    got = function(values["x"], buffer=buffer, **CALLABLE_CASES[pattern](values))
+    got = function(values["x"], buffer=buffer, tuning=tuning, **CALLABLE_CASES[pattern](values))
     return dict(zip(build(pattern).output_names, got if isinstance(got, tuple) else (got,)))
 
 
@@ -100,8 +101,11 @@ def interpreted_rank(rank, world_size, storages, cases, all_polled):
     and readers empty all they read)."""
     import torch.distributed as dist
 
+    import infini_dist
     from infini_dist.kernels.symm_buffers import EMPTY_PATTERN, from_peer_tensors, header_bytes
-    ctx = RunContext(None, world_size, rank, torch.device("cuda"))
+    ctx = RunContext(None, world_size, rank, torch.device("cuda"),
+                     settings=infini_dist.config.snapshot())  # INFINI_DIST_SYMM_* from the env
+    tuning = tuning_of(ctx.settings)
     algorithms = symm_algorithms()
     results = []
     for name, pattern, shape, dtype, *function in cases:
@@ -114,9 +118,9 @@ def interpreted_rank(rank, world_size, storages, cases, all_polled):
         for call in range(2):
             inputs = [make_inputs(graph, shape, dtype, r, call) for r in range(world_size)]
             if function:
-                got = by_callable(function[0], pattern, inputs[rank], buffer)
+                got = by_callable(function[0], pattern, inputs[rank], buffer, tuning)
             else:
-                got = algorithm.launch(plan, inputs[rank], buffer)
+                got = algorithm.launch(plan, inputs[rank], buffer, tuning)
             error = max_error(got, reference(graph, inputs, rank))
             if all_polled:
                 dist.barrier()
@@ -166,8 +170,7 @@ def run_on_gpus(tmp_path, kernel) -> None:
 def run_gpu_worker(tmp_path, *arguments):
     """tests/gpu_symm_worker.py under torchrun on up to 4 GPUs; it must print ALL OK."""
     gpus = torch.cuda.device_count()
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", INFINI_DIST_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, **SAFE_GPU_ENV, INFINI_DIST_CACHE_DIR=str(tmp_path / "cache"))
     worker = os.path.join(os.path.dirname(__file__), "gpu_symm_worker.py")
     done = subprocess.run(["timeout", "500", sys.executable, "-m", "torch.distributed.run",
                            f"--nproc-per-node={min(gpus, 4)}", worker, *arguments],

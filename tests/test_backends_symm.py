@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import infini_dist
 from infini_dist.kernels import symm_chain
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
-from infini_dist.scheduler.backends.symm import plan_span
+from infini_dist.scheduler.backends.symm import plan_span, tuning_of
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 from symm_cases import PATTERNS, build, full_span, meta_of
@@ -46,11 +47,12 @@ def test_plan_of_add_rms_norm_names_both_outputs():
     graph = build("add_rms_norm")
     plan = plan_span(full_span(graph), meta_of(graph, (4, 64), torch.bfloat16), CUDA4)
     assert (plan.norm, plan.out, plan.pre, plan.residual, plan.weight, plan.eps) == (
-        symm_chain.ADD_RMS_NORM.value, "n", "r", "res", "w", 1e-5)
+        symm_chain.NORM_CODES["add_rms_norm"], "n", "r", "res", "w", 1e-5)
     plan = plan_span(full_span(build("prologue_norm")),
                      meta_of(build("prologue_norm"), (4, 64), torch.float16), CUDA4)
     assert plan.residual == "res" and [op.code for op in plan.prologue] == [
-        symm_chain.RELU.value] and [op.code for op in plan.epilogue] == [symm_chain.GELU.value]
+        symm_chain.CODES["relu"]]
+    assert [op.code for op in plan.epilogue] == [symm_chain.CODES["gelu"]]
 
 
 def _span(nodes, inputs, outputs):
@@ -83,7 +85,10 @@ def test_plan_rejects_what_the_kernels_cannot_do():
 
     graph, span = _span([ar, OpNode("add", ("y", "up"), ("a",))], ["x", "up"], ["a"])
     assert plan_span(span, _meta(), CUDA4) is not None
-    assert plan_span(span, _meta(up=((64,), torch.bfloat16)), CUDA4) is None, "broadcast side"
+    assert plan_span(span, _meta(up=((1, 64), torch.bfloat16)), CUDA4) is None, "broadcast side"
+    assert plan_span(span, _meta(up=((64,), torch.float32)), CUDA4) is None, "mixed-dtype bias"
+    bias = plan_span(span, _meta(up=((64,), torch.bfloat16)), CUDA4)  # a bias: one per column
+    assert bias.epilogue == (symm_chain.ChainOp(symm_chain.CODES["bias_add"], 64.0, "up"),)
     assert plan_span(span, _meta(up=((4, 64), torch.float32)), CUDA4) is None, "mixed dtypes"
     assert plan_span(span, _meta(dtype=torch.float64), CUDA4) is None, "fp64"
     assert plan_span(span, _meta(dtype=torch.int32), CUDA4) is None, "int"
@@ -109,12 +114,12 @@ def test_plan_rejects_what_the_kernels_cannot_do():
 def test_encode_node_covers_the_elementwise_ops():
     enc = symm_chain.encode_node
     assert enc(OpNode("gelu", ("y",), ("a",), {"approximate": "tanh"}), "y").code == \
-        symm_chain.GELU_TANH.value
+        symm_chain.CODES["gelu_tanh"]
     assert enc(OpNode("gelu", ("y",), ("a",), {"approximate": "bogus"}), "y") is None
     assert enc(OpNode("scale", ("y",), ("a",), {"scale": 3}), "y").scalar == 3.0
     assert enc(OpNode("swiglu", ("y", "u"), ("a",)), "y") == symm_chain.ChainOp(
-        symm_chain.SWIGLU_GATE.value, 0.0, "u")
-    assert enc(OpNode("swiglu", ("g", "y"), ("a",)), "y").code == symm_chain.SWIGLU_UP.value
+        symm_chain.CODES["swiglu_gate"], 0.0, "u")
+    assert enc(OpNode("swiglu", ("g", "y"), ("a",)), "y").code == symm_chain.CODES["swiglu_up"]
     assert enc(OpNode("add", ("u", "y"), ("a",)), "y").side == "u"
 
 
@@ -128,6 +133,33 @@ def test_layout_is_shape_only_and_fits(world_size):
         assert layout.block >= layout.item and layout.sub_block >= layout.sub
     with pytest.raises(ValueError):
         symm_chain.launch_layout(100, 7, 1, world_size)
+
+
+def test_launch_knobs_reach_every_kernel_launch():
+    """infini_dist.config's symm_* settings, as the engine passes them (tuning_of), shape the
+    launch: the timeout every kernel is handed, two-shot groups and rounds."""
+    from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
+    from infini_dist.kernels.symm_device import DEFAULT_TUNING
+    with infini_dist.config.patch(symm_timeout_s=7.5, symm_group_items=3, symm_round_items=5):
+        tuning = tuning_of(infini_dist.config.snapshot())
+    assert tuning_of(None) == DEFAULT_TUNING
+    graph, shape = build("add_rms_norm"), (3, 40)
+    plan = plan_span(full_span(graph), meta_of(graph, shape, torch.float32), CUDA4)
+    buffer = from_peer_tensors([torch.zeros(header_bytes(4) + (1 << 16), dtype=torch.uint8)
+                                for _ in range(4)], 1)
+    tensors = {name: torch.ones(meta.shape) for name, meta in meta_of(graph, shape,
+                                                                        torch.float32).items()}
+    x, out, pre = tensors[plan.source], torch.empty(shape), torch.empty(shape)
+    for name, algorithm in sorted(symm_algorithms().items()):
+        (_, _, default, default_kw), (_, _, tuned, tuned_kw) = (
+            algorithm.launch_arguments(plan, x, tensors, buffer, out, pre, t)
+            for t in (DEFAULT_TUNING, tuning))
+        ints = [[a for a in args if type(a) is int] for args in (default, tuned)]
+        assert 300 * 10 ** 9 in ints[0] and 7_500_000_000 in ints[1], name
+        if "GROUP" in default_kw:  # the two-shot kernels that move items in groups
+            assert (default_kw["GROUP"], tuned_kw["GROUP"]) == (1, 4), name  # a power of two
+        if name == "two_shot":  # its last argument: items per program per round
+            assert (default[-1], tuned[-1]) == (1, 5)
 
 
 # ---- every kernel through the registry, interpreted and on GPUs ----------------------------------

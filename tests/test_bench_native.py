@@ -3,9 +3,10 @@ check. The GPU sweep cannot run here; --cpu-smoke runs the whole script on 2 glo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
-from infini_dist.launch import bench
+from infini_dist.launch import bench, peers_flashinfer
 from multirank import run_cli
 
 
@@ -40,3 +41,9 @@ def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     assert "native" in case["tuning_times_us"]
     assert isinstance(data["meta"]["engine_above_native"], list)
     assert "engine above native by more than 5%" in run.stdout
+    # FlashInfer is an optional peer: absent (or on CPU ranks) it is named once, then skipped.
+    skip = (peers_flashinfer.NOT_INSTALLED if importlib.util.find_spec("flashinfer") is None
+            else "flashinfer: needs CUDA ranks; its rows are skipped")
+    assert run.stdout.count(skip) == 1
+    assert not any(name.startswith("fi_") for name in impls)
+    assert "add_rms_norm (graph, us, max over ranks)" in run.stdout  # the table still comes

@@ -1,16 +1,14 @@
 """The compile pass on graphs as AOTAutograd hands them to Inductor (single process, no Inductor
-code generation): what becomes a site, what the flags change, the runtime op and installation.
+code generation; tests/fx_graphs.py): what becomes a site, what the flags change, the runtime
+op and installation. One test per fusion pattern: test_compile_patterns.py.
 
-Graphs come from aot_export_module with Inductor's decompositions: functional, decomposed, with
-fake-tensor metadata, the form post-grad passes see. Collectives name a group ("g0") that never
-has to exist, since these graphs are only rewritten, not run (except the user-op site, which
-needs no group).
+Collectives name a group ("g0") that never has to exist, since these graphs are only rewritten,
+not run (except the user-op site, which needs no group).
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 
 import pytest
 import torch
@@ -21,86 +19,10 @@ import infini_dist.compile as idc
 from infini_dist.compile import runtime_op
 from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.ir import OpNode, SubGraph
-
-c10d = torch.ops._c10d_functional
-FUSED = torch.ops.infini_dist.fused_site.default
-
-
-def ar(x, group="g0"):
-    return c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
-
-
-class _Wrap(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        out = self.fn(*args)
-        return out if isinstance(out, tuple) else (out,)
-
-
-def export(fn, *args):
-    from torch._functorch.aot_autograd import aot_export_module
-    from torch._inductor.decomposition import select_decomp_table
-    gm, _ = aot_export_module(_Wrap(fn), args, trace_joint=False,
-                              decompositions=select_decomp_table())
-    for node in list(gm.graph.nodes):  # export's dtype asserts; Inductor drops them pre-pass
-        if node.target is torch.ops.aten._assert_tensor_metadata.default:
-            gm.graph.erase_node(node)
-    gm.recompile()
-    return gm
-
-
-def fuse(gm, **flags):
-    with infini_dist.config.patch(**flags):
-        texts = idc.fuse_sites(gm.graph, infini_dist.config.snapshot())
-    gm.recompile()
-    return [runtime_op.subgraph_from_json(t) for t in texts]
-
-
-def ops_of(sub):
-    return [n.op_type for n in sub.nodes]
-
-
-def rand(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def llama_norm(x, w, eps=1e-6):
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
-
-
-def torch_norm(x, w, eps=1e-6):
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def upcast_norm(x, w, eps=1e-6):  # the demo's spelling
-    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+from fx_graphs import FUSED, ar, c10d, export, fuse, llama_norm, ops_of, rand, torch_norm
 
 
 # ---- what becomes a site ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", [llama_norm, torch_norm, upcast_norm])
-def test_residual_add_and_each_rms_norm_spelling_become_add_rms_norm(norm, dtype):
-    def f(x, residual, w):
-        h = ar(x) + residual
-        return norm(h, w, 1e-5), h
-    gm = export(f, rand(2, 4, 16, dtype=dtype), rand(2, 4, 16, dtype=dtype, seed=1),
-                rand(16, dtype=dtype, seed=2))
-    (sub,) = fuse(gm)
-    assert ops_of(sub) == ["all_reduce", "add_rms_norm"]
-    anchor, fused = sub.nodes
-    assert anchor.attr_dict == {"op": "sum", "group_name": "g0"}
-    assert fused.inputs[0] == anchor.outputs[0]  # the reduced value is x, the residual 2nd
-    assert fused.attr("eps") == pytest.approx(1e-5, rel=1e-6)
-    assert sub.output_names == fused.outputs  # normed and the residual sum, both read later
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets == [FUSED, operator.getitem, operator.getitem]
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activations_and_products_after_the_all_reduce(dtype):
@@ -118,18 +40,8 @@ def test_activations_and_products_after_the_all_reduce(dtype):
     assert sub.nodes[-1].attr("scale") == 3.0
     gm = export(f, rand(4, 16, dtype=dtype), rand(4, 16, dtype=dtype, seed=1),
                 rand(4, 16, dtype=dtype, seed=2))
-    (sub,) = fuse(gm)  # the default depth, 3, caps the chain
-    assert ops_of(sub) == ["all_reduce", "swiglu", "gelu", "gelu"]
-
-
-def test_prologue_and_relu_scale_epilogue():
-    def f(x):
-        return torch.relu(ar(torch.relu(x) * 0.5)) * 2.0
-    gm = export(f, rand(4, 16))
-    (sub,) = fuse(gm)
-    assert ops_of(sub) == ["relu", "scale", "all_reduce", "relu", "scale"]
-    assert [n.attr("scale") for n in sub.nodes if n.op_type == "scale"] == [0.5, 2.0]
-    assert sub.input_names == ("in0",) and len(sub.output_names) == 1
+    (sub,) = fuse(gm)  # the default depth, 5, caps the chain
+    assert ops_of(sub) == ["all_reduce", "swiglu", "gelu", "gelu", "mul", "sigmoid"]
 
 
 def test_intermediate_values_read_elsewhere_become_outputs():

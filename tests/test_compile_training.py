@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infini_dist.scheduler import op_registry
-from test_compile import FUSED, ar, export, fuse, ops_of, rand
+from fx_graphs import FUSED, ar, export, fuse, ops_of, rand
 
 
 def _norm_keeping_rsqrt(h, w, eps):

@@ -10,7 +10,7 @@ from infini_dist.config import parse_env
 
 
 def test_defaults_and_validation():
-    assert config.max_fusion_depth == 3
+    assert config.max_fusion_depth == 5
     assert config.custom_op_fusion_types == ("epilogue", "prologue", "cross_subgraph")
     for name, bad in [("max_fusion_depth", -1), ("max_autotune_threads", 0),
                       ("fusion_speedup_threshold", 0.9), ("custom_op_fusion_types", ("sideways",)),
@@ -72,3 +72,23 @@ def test_snapshot_is_immutable_and_keyed_by_decision_flags():
         assert config.snapshot().decision_fields() != snap.decision_fields()
     with config.patch(benchmark_reps=50):  # timing effort does not change what is decided
         assert config.snapshot().decision_fields() == snap.decision_fields()
+
+
+def test_kernel_launch_knobs_are_validated_flags():
+    from infini_dist.kernels.symm_device import SymmTuning
+    assert (config.symm_timeout_s, config.symm_group_items, config.symm_round_items,
+            config.fast_launch) == (300.0, 0, 0, True)
+    assert parse_env("fast_launch", "0") is False and parse_env("symm_group_items", "4") == 4
+    for name, bad in [("symm_timeout_s", 0), ("symm_group_items", -1), ("symm_round_items", -2)]:
+        with pytest.raises(ValueError, match=name):
+            setattr(config, name, bad)
+    with pytest.raises(TypeError, match="symm_group_items"):
+        config.symm_group_items = 2.5
+    for name, text in [("fast_launch", "2"), ("symm_round_items", "many"),
+                       ("symm_timeout_s", "-1")]:
+        with pytest.raises(ValueError, match=f"INFINI_DIST_{name.upper()}"):
+            parse_env(name, text)
+    # The kernels' own check, for callers that build the knobs themselves.
+    for bad in ({"timeout_s": 0}, {"group_items": -1}, {"round_items": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SymmTuning(**bad)

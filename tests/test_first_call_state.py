@@ -7,7 +7,7 @@ the calling thread to their pool during a warm-up, and report whatever outlives 
   (tuning's references and trial outputs included) is alive, while the committed choices are.
 - The cached launchers (backends.symm.PreparedLaunch and its nt_runtime.FastLaunch, the
   ninetoothed chain launch of nccl+nt_epilogue) keep no tensor of their calls, on Triton's real
-  launch path (a stand-in driver, as in test_launch_fast_path.py), after taking the fast path.
+  launch path (a stand-in driver, tests/launch_stub.py), after taking the fast path.
 """
 
 from __future__ import annotations
@@ -87,13 +87,13 @@ def _stub_kept_tensors():
     from infini_dist.scheduler.backends.symm import PreparedLaunch
     from infini_dist.scheduler.choices import RunContext
     from symm_cases import make_inputs
-    from test_launch_fast_path import SYMM_CASES, _chain_cases, _chain_inputs, _stub_symm_case
+    from launch_stub import SYMM_CASES, chain_cases, chain_inputs, stub_symm_case
     from test_nccl_epilogue_cpu import span_and_meta, tensors_for
 
     report = []
     world_size, rank = 4, 1
     for kind, pattern, shape, dtype in SYMM_CASES:
-        algorithm, graph, plan, buffer = _stub_symm_case(kind, pattern, shape, dtype,
+        algorithm, graph, plan, buffer = stub_symm_case(kind, pattern, shape, dtype,
                                                          world_size, rank)
         first = make_inputs(graph, shape, dtype, rank, 0)
         prepared = PreparedLaunch(algorithm, plan, buffer, first)
@@ -106,10 +106,10 @@ def _stub_kept_tensors():
         report.append((f"PreparedLaunch {kind} {pattern}", alive, tracked + len(first_refs),
                        prepared.launch.fast))
 
-    for chain, shapes, dtype in _chain_cases():
+    for chain, shapes, dtype in chain_cases():
         launch = prepare(chain, shapes, [dtype] * len(shapes))
         alive, tracked = _alive_after(
-            4, lambda call: dict(enumerate(_chain_inputs(shapes, dtype, call))),
+            4, lambda call: dict(enumerate(chain_inputs(shapes, dtype, call))),
             lambda env: launch(list(env.values())))
         fast = launch.state["fast"]
         report.append((f"chain {chain.steps[0].op}", alive, tracked, bool(fast) and fast.fast))
@@ -132,8 +132,8 @@ def _stub_kept_tensors():
 
 
 def test_cached_launchers_keep_no_tensor_of_their_calls(tmp_path):
-    from test_launch_fast_path import _stub_pool
-    with _stub_pool(str(tmp_path / "home"), record=False) as pool:
+    from launch_stub import stub_pool
+    with stub_pool(str(tmp_path / "home"), record=False) as pool:
         report = pool.submit(_stub_kept_tensors).result(timeout=300)
     assert len(report) == 4 + 2 + 1, report
     for what, alive, tracked, fast in report:

@@ -16,7 +16,7 @@ from infini_dist.kernels.chain import Chain, Step, UnsupportedChain, chain_from_
 from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import RunContext, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph
-from interpreter_worker import call_kernel, interpreter_pool, interpreter_unusable, run
+from interpreter_worker import call_kernel, run
 
 CPU = RunContext(None, 1, 0, torch.device("cpu"))
 
@@ -26,14 +26,6 @@ def reference(op, *tensors, **attrs):
     return op_registry.get_op(op).fn(*tensors, **attrs)
 # One unit in the last place, relative; fp32 allows a few (sums in another order, numpy's exp).
 ULP = {torch.float32: 2.0 ** -21, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    if interpreter_unusable():
-        pytest.skip(interpreter_unusable())
-    with interpreter_pool(str(tmp_path_factory.mktemp("ninetoothed_home"))) as p:
-        yield p
 
 
 def assert_matches(got, expected, ulps=1.0, what=""):

@@ -80,6 +80,8 @@ def test_register_op_rules():
     assert op_registry.may_fuse("rms_norm", "epilogue")
     assert not op_registry.may_fuse("rms_norm", "prologue")
     assert op_registry.may_fuse("relu", "prologue")
+    assert op_registry.may_fuse("quant_fp8", "epilogue")
+    assert not op_registry.may_fuse("quant_fp8", "prologue")  # no backend sums fp8
 
 
 def matmul_site(rank, world_size):

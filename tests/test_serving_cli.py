@@ -89,3 +89,15 @@ def test_tune_hf_family_from_its_config(tmp_path):
     assert f"infini-dist tune: 2 token counts, {tuned} site(s) tuned" in done.stdout
     # the model directory rank 0 wrote is gone
     assert not any(p.name.startswith("llama-") for p in tmp_path.iterdir())
+
+
+def test_cache_cli_reads_records_as_the_engine_does(tmp_path, capsys):
+    """A FIFO, a directory or deep JSON named like a record lists as unreadable: never a hang."""
+    from infini_dist.launch import cache_cli
+    os.mkfifo(tmp_path / "aaaa0000fifo.json")
+    (tmp_path / "bbbb0000dir0.json").mkdir()
+    (tmp_path / "cccc0000deep.json").write_text("[" * 100000 + "]" * 100000)
+    assert cache_cli.main(["--cache-dir", str(tmp_path), "list"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:-1]
+    assert len(rows) == 3 and all("(unreadable)" in row for row in rows), rows
+    assert cache_cli.main(["--cache-dir", str(tmp_path), "show", "aaaa"]) == 2

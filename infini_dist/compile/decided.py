@@ -59,7 +59,7 @@ def is_native(choice: Choice | None) -> bool:
 
 def fuses_nothing(choice: Choice | None) -> bool:
     """Native, or a collective of ours with every other op of the site run in eager torch."""
-    return choice is not None and (choice.span is None or not choice.span.fuses_anything)
+    return choice is not None and choice.fuses_nothing
 
 
 def state() -> str:

@@ -3,10 +3,11 @@
 Inductor decomposes silu, gelu and rms_norm before post-grad passes run (silu becomes
 x / (1 + exp(-x)), with fp32 up- and down-casts around it for half types), and the exact form
 depends on the torch version, the dtype and the tensor rank. So the forms are not spelled out by
-hand: each IR op is written once in plain torch (`FORMS`) and traced through Inductor's own
-decomposition table, the route Inductor's pattern matcher takes for its own patterns. The traced
-graph is the pattern. Scalars that become IR attributes (eps, scale) are traced with a sentinel
-value and captured from the matched node.
+hand: each IR op's spellings are written once in plain torch, in its spec (kernels/epilogue;
+`FORMS` lists them), and traced through Inductor's own decomposition table, the route
+Inductor's pattern matcher takes for its own patterns. The traced graph is the pattern. Scalars
+that become IR attributes (eps, scale) are traced with a sentinel value and captured from the
+matched node.
 
 Matching is rooted at a graph node (the pattern's output) and walks arguments backwards, trying
 both operand orders of add and mul.
@@ -22,30 +23,11 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
+
+from infini_dist.kernels.epilogue import SPECS
 
 aten = torch.ops.aten
 log = logging.getLogger("infini_dist")
-
-# Sentinels: exact in fp32 (a traced eps is often rounded to fp32) and unlike any constant of a
-# decomposition, so a template position holding one is an attribute slot.
-EPS = 2.0 ** -15 + 2.0 ** -25
-SCALE = 0.3125 + 2.0 ** -12
-
-
-def _hf_rms_norm(x, weight):
-    # Llama-style: normalise in fp32, round to the input dtype, then scale by the weight.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
-    return weight * h.to(x.dtype)
-
-
-def _torch_rms_norm(x, weight):
-    return F.rms_norm(x, (x.shape[-1],), weight, EPS)
-
-
-def _fp32_rms_norm(x, weight):
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), EPS).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -62,28 +44,16 @@ class Form:
     # An interior value the graph may also read (training saves the norm's rsqrt for backward),
     # with the IR op that computes it from input 0 and the aten op that yields it.
     exposable: tuple[str, Any] | None = None
+    vectors: tuple[int, ...] = ()  # inputs that are 1-D over the last dim (a norm's weight)
+    out_dtype: torch.dtype | None = None  # the result's dtype, where not input 0's
 
 
-_RSTD = ("rms_rstd", aten.rsqrt.default)
-
-FORMS = (
-    Form("add", "add", lambda a, b: a + b, 2, (0, 1), commutative=True),
-    Form("mul", "mul", lambda a, b: a * b, 2, (0, 1), commutative=True),
-    Form("scale", "scale", lambda x: x * SCALE, 1, captures=(("scale", SCALE),)),
-    Form("relu", "relu", lambda x: torch.relu(x), 1),
-    Form("sigmoid", "sigmoid", lambda x: torch.sigmoid(x), 1),
-    Form("silu", "silu", lambda x: F.silu(x), 1),
-    Form("gelu", "gelu", lambda x: F.gelu(x), 1, attrs=(("approximate", "none"),)),
-    Form("gelu_tanh", "gelu", lambda x: F.gelu(x, approximate="tanh"), 1,
-         attrs=(("approximate", "tanh"),)),
-    Form("swiglu", "swiglu", lambda gate, up: F.silu(gate) * up, 2, (0, 1)),
-    Form("rms_norm_llama", "rms_norm", _hf_rms_norm, 2, captures=(("eps", EPS),),
-         exposable=_RSTD),
-    Form("rms_norm", "rms_norm", _torch_rms_norm, 2, captures=(("eps", EPS),),
-         exposable=_RSTD),
-    Form("rms_norm_fp32", "rms_norm", _fp32_rms_norm, 2, captures=(("eps", EPS),),
-         exposable=_RSTD),
-)
+# Every spelling of every op spec (kernels/epilogue), in spec order.
+FORMS = tuple(
+    Form(spelling.name, spec.name, spelling.fn, spec.arity, spelling.chain_inputs, spelling.attrs,
+         spelling.captures, spelling.commutative, spelling.exposable, spec.vectors,
+         spec.out_dtype)
+    for spec in SPECS.values() for spelling in spec.spellings)
 
 _COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
 
@@ -102,8 +72,8 @@ def _example_inputs(form: Form, dtype, ndim: int, device) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     tensors = []
     for index in range(form.arity):
-        is_weight = form.op_type == "rms_norm" and index == 1
-        t = torch.randn(shape[-1:] if is_weight else shape, generator=gen, dtype=torch.float32)
+        t = torch.randn(shape[-1:] if index in form.vectors else shape, generator=gen,
+                        dtype=torch.float32)
         tensors.append(t.to(device=device, dtype=dtype))
     return tensors
 

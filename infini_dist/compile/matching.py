@@ -185,10 +185,10 @@ def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> IROp | None:
     if not all(_is_tensor(n) for n in inputs + [match.root]):
         return None
     dtype = _val(inputs[0]).dtype
-    if _val(match.root).dtype != dtype or not dtype.is_floating_point:
+    if _val(match.root).dtype != (match.form.out_dtype or dtype) or not dtype.is_floating_point:
         return None
-    if match.form.op_type != "rms_norm" and any(_val(n).dtype != dtype for n in inputs):
-        return None
+    if any(_val(n).dtype != dtype for i, n in enumerate(inputs) if i not in match.form.vectors):
+        return None  # a norm's weight may have its own dtype
     return IROp(match.form.op_type, inputs, [match.root], dict(match.attrs), match.nodes)
 
 

@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import infini_dist
+import infini_dist.kernels.epilogue
 from infini_dist.compile import decided, matching, runtime_op
 from infini_dist.config import Settings
 from infini_dist.scheduler.ir import OpNode, SubGraph
@@ -53,7 +54,9 @@ def _source_hash() -> str:
     package = Path(__file__).parent
     scheduler = Path(infini_dist.scheduler.ir.__file__).parent
     h = hashlib.sha256()
-    for path in sorted(package.glob("*.py")) + [scheduler / "ir.py", scheduler / "op_registry.py"]:
+    specs = Path(infini_dist.kernels.epilogue.__file__).parent  # the ops' FX spellings
+    for path in (sorted(package.glob("*.py")) + [scheduler / "ir.py", scheduler / "op_registry.py"]
+                 + sorted(specs.glob("*.py"))):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()

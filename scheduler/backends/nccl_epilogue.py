@@ -71,7 +71,7 @@ def plan(span, meta) -> _Plan:
     produced = [n for i in span.epilogue for n in graph.nodes[i].outputs]
     for name in (source,) + chain_inputs + tuple(produced):
         m = _meta(meta, name)
-        if m.dtype not in FLOAT_DTYPES:
+        if m.dtype not in FLOAT_DTYPES and name not in produced:  # fp8 out: checked below
             raise UnsupportedChain(f"{name!r} is {m.dtype}; needs float16, bfloat16 or float32")
         if m.device != anchor_meta.device:
             raise UnsupportedChain(f"{name!r} is on {m.device}, the reduction on "
@@ -131,7 +131,8 @@ class NcclEpilogueAlgorithm(Algorithm):
         group = ctx.group
         with _on(device):  # builds the kernel
             launch = prepare(p.chain, [meta[n].shape for n in p.chain_inputs],
-                             [meta[n].dtype for n in p.chain_inputs])
+                             [meta[n].dtype for n in p.chain_inputs],
+                             fast_launch=ctx.settings.fast_launch if ctx.settings else True)
         sides = p.chain_inputs[1:]  # the reduced value comes first
         count = len(p.chain_outputs)
         on_device = _current_device_check(device)

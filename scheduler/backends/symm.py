@@ -4,8 +4,8 @@
 
 A span is supported when it is one sum all_reduce of a CUDA float tensor with
   - a prologue: a chain (up to 3) of elementwise ops on the all_reduce input;
-  - an epilogue: a chain (up to 3) of elementwise ops, optionally ended by rms_norm or
-    add_rms_norm over the last dimension;
+  - an epilogue: a chain (up to 3) of elementwise ops, optionally ended by a norm over the last
+    dimension (any op whose spec has a `symm_norm`, kernels/epilogue);
 and nothing else of the span is read outside it except the final value and the value the norm
 normalises (the new residual). Every depth, 0 included (a plain symmetric-memory all-reduce).
 
@@ -31,11 +31,12 @@ import torch
 from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce
 from infini_dist.kernels.lamport_two_shot import lamport_two_shot_all_reduce
-from infini_dist.kernels.nt_runtime import FastLaunch, fast_launch_enabled
+from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.rows import FLOAT_DTYPES
-from infini_dist.kernels.symm_chain import (ADD_RMS_NORM, MAX_CHAIN, MAX_ROW, NO_NORM, RMS_NORM,
-                                            encode_node)
+from infini_dist.kernels.epilogue import SPECS
+from infini_dist.kernels.symm_chain import MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES, encode_node
+from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
 from infini_dist.scheduler import op_registry
@@ -59,6 +60,7 @@ class SpanPlan:
     epilogue: tuple
     norm: int
     weight: str | None
+    bias: str | None
     residual: str | None
     eps: float
     out: str                      # the value the kernel's `out` holds
@@ -78,12 +80,21 @@ class SpanPlan:
 
     @property
     def tensor_inputs(self) -> tuple:
-        """Every input the kernel reads, each once: the source, then sides, weight, residual."""
-        names = (self.source,) + self.sides + (self.weight, self.residual)
+        """Every input the kernel reads, each once: the source, then sides, weight, bias,
+        residual."""
+        names = (self.source,) + self.sides + (self.weight, self.bias, self.residual)
         return tuple(dict.fromkeys(n for n in names if n))
 
     def results(self, out, pre) -> dict:
         return {name: out if name == self.out else pre for name in self.outputs}
+
+
+def tuning_of(settings) -> SymmTuning:
+    """The kernels' launch knobs from the engine's settings (None: the kernels' defaults)."""
+    if settings is None:
+        return DEFAULT_TUNING
+    return SymmTuning(settings.symm_timeout_s, settings.symm_group_items,
+                      settings.symm_round_items)
 
 
 def _same(meta, name, like) -> bool:
@@ -114,12 +125,18 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
     if any(d == 0 for d in x.shape):
         return None
 
+    def side_kind(name):
+        m = meta.get(name)
+        if name not in external or m is None or m.dtype != x.dtype:
+            return None
+        return "row" if m.shape == x.shape else "vector" if m.shape == x.shape[-1:] else None
+
     def chain(nodes, current):
         ops = []
         for node in nodes:
-            op = encode_node(node, current) if len(node.outputs) == 1 else None
-            if op is None or (op.side is not None and
-                              (op.side not in external or not _same(meta, op.side, x))):
+            op = (encode_node(node, current, side_kind, x.shape[-1]) if len(node.outputs) == 1
+                  else None)
+            if op is None:
                 return None, current
             ops.append(op)
             current = node.outputs[0]
@@ -142,47 +159,57 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
     if epilogue is None or not _same(meta, current, x):
         return None
 
-    norm, weight, residual, eps, pre, out = NO_NORM.value, None, None, 0.0, None, current
+    norm, eps, pre, out, operands = NO_NORM.value, 0.0, None, current, {}
     if norm_node is not None:
-        row_len = x.shape[-1]
-        if row_len > MAX_ROW:
+        found = _norm_operands(norm_node, current, x, meta, external)
+        if found is None:
             return None
-        if norm_node.op_type == "rms_norm" and norm_node.inputs[0] == current:
-            norm, weight = RMS_NORM.value, norm_node.inputs[1]
-            pre, out = current, norm_node.outputs[0]
-        elif (norm_node.op_type == "add_rms_norm" and norm_node.inputs[:2].count(current) == 1
-              and current in norm_node.inputs[:2]):
-            a, b = norm_node.inputs[:2]
-            residual = b if a == current else a
-            if residual not in external or not _same(meta, residual, x):
-                return None
-            norm, weight = ADD_RMS_NORM.value, norm_node.inputs[2]
-            out, pre = norm_node.outputs
-        else:
-            return None
-        w = meta.get(weight)
-        if (weight not in external or w is None or w.shape != (row_len,)
-                or not w.dtype.is_floating_point):
-            return None
-        eps = norm_node.attr("eps", 1e-6)
-        if not isinstance(eps, (int, float)):
+        norm, operands = NORM_CODES[norm_node.op_type], found
+        out = norm_node.outputs[0]
+        # add_rms_norm's second output is the sum it normalises
+        pre = norm_node.outputs[1] if len(norm_node.outputs) > 1 else current
+        eps = norm_node.attr("eps", dict(SPECS[norm_node.op_type].attrs)["eps"])
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
             return None
     outputs = tuple(span.outputs)
     if not set(outputs) <= {out, pre} - {None}:
         return None  # an intermediate value is read elsewhere; we do not write it
-    return SpanPlan(source, prologue, epilogue, norm, weight, residual, float(eps), out,
+    return SpanPlan(source, prologue, epilogue, norm, operands.get("weight"),
+                    operands.get("bias"), operands.get("residual"), float(eps), out,
                     pre if pre in outputs else None, outputs, tuple(x.shape), x.dtype,
                     x.shape[-1] if norm != NO_NORM.value else None)
+
+
+def _norm_operands(node, current, x, meta, external) -> dict | None:
+    """The norm node's operands by role (its spec's symm_norm), or None where the kernels cannot
+    run it: the chain value and a residual (they commute) of x's shape, weight and bias rows."""
+    spec = SPECS.get(node.op_type)
+    if spec is None or spec.symm_norm is None or x.shape[-1] > MAX_ROW:
+        return None
+    roles = dict(zip(spec.symm_norm.roles, node.inputs))
+    if "residual" in roles and roles["residual"] == current:
+        roles["value"], roles["residual"] = roles["residual"], roles["value"]
+    if roles.pop("value") != current or current in roles.values():
+        return None
+    for role, name in roles.items():
+        m = meta.get(name)
+        shape = x.shape if role == "residual" else x.shape[-1:]
+        if name not in external or m is None or m.shape != shape or (
+                m.dtype != x.dtype if role == "residual" else not m.dtype.is_floating_point):
+            return None
+    return roles
 
 
 class PreparedLaunch:
     """`algorithm.launch(plan, env, buffer)` for one plan and buffer, with the per-call host
     work cut to: look up the inputs, check them, allocate the outputs, launch
     (`nt_runtime.FastLaunch`). Inputs of other shapes or layouts than the first call's take
-    `algorithm.launch`, which copies them contiguous."""
+    `algorithm.launch`, which copies them contiguous. `fast=False` (the fast_launch setting):
+    every call takes `algorithm.launch`, exactly the normal path, for A/B timing."""
 
-    def __init__(self, algorithm, plan: SpanPlan, buffer, env: dict):
-        self.algorithm, self.plan, self.buffer = algorithm, plan, buffer
+    def __init__(self, algorithm, plan: SpanPlan, buffer, env: dict,
+                 tuning: SymmTuning = DEFAULT_TUNING, fast: bool = True):
+        self.algorithm, self.plan, self.buffer, self.tuning = algorithm, plan, buffer, tuning
         self.names = plan.tensor_inputs
         self.shapes = tuple(env[name].shape for name in self.names)
         # Stand-ins, each its own object, so FastLaunch can tell which argument is which
@@ -190,19 +217,19 @@ class PreparedLaunch:
         inputs = {name: env[name].view(env[name].shape) for name in self.names}
         out, pre = object(), object() if plan.pre else None
         kernel, grid, args, kwargs = algorithm.launch_arguments(
-            plan, inputs[plan.source], inputs, buffer, out, pre)
+            plan, inputs[plan.source], inputs, buffer, out, pre, tuning)
         per_call = [inputs[name] for name in self.names] + [out] + ([pre] if plan.pre else [])
-        self.launch = FastLaunch(kernel, grid, args, kwargs, per_call)
-        self.enabled = fast_launch_enabled()  # else: exactly the normal path, for A/B timing
+        self.launch = FastLaunch(kernel, grid, args, kwargs, per_call, enabled=fast)
+        self.enabled = fast
 
     def __call__(self, env: dict) -> dict:
         tensors = [env[name] for name in self.names]
         x = tensors[0]
         if x.dtype is not self.plan.dtype or not self.enabled:
-            return self.algorithm.launch(self.plan, env, self.buffer)
+            return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
         for tensor, shape in zip(tensors, self.shapes):
             if tensor.shape != shape or not tensor.is_contiguous():
-                return self.algorithm.launch(self.plan, env, self.buffer)
+                return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
         out = torch.empty_like(x)
         if self.plan.pre:
             pre = torch.empty_like(x)
@@ -232,21 +259,25 @@ class SymmAllReduce(Algorithm):
         plan = plan_span(span, meta, ctx)
         return plan is not None and plan.numel * plan.dtype.itemsize <= self.max_bytes
 
-    def launch_arguments(self, plan: SpanPlan, x, tensors: dict, buffer, out, pre):
+    def launch_arguments(self, plan: SpanPlan, x, tensors: dict, buffer, out, pre,
+                         tuning: SymmTuning = DEFAULT_TUNING):
         """(kernel, grid, args, kwargs) of the launch for `plan`, `tensors` by input name."""
         return self.kernel.launch(
             x, buffer, out, prologue=plan.prologue, epilogue=plan.epilogue, sides=tensors,
             norm=plan.norm, weight=tensors[plan.weight] if plan.weight else None,
+            bias=tensors[plan.bias] if plan.bias else None,
             residual=tensors[plan.residual] if plan.residual else None, eps=plan.eps,
-            pre=pre, row_len=plan.row_len)
+            pre=pre, row_len=plan.row_len, tuning=tuning)
 
-    def launch(self, plan: SpanPlan, env: dict, buffer) -> dict:
+    def launch(self, plan: SpanPlan, env: dict, buffer,
+               tuning: SymmTuning = DEFAULT_TUNING) -> dict:
         """One launch through Triton's normal path; inputs of any layout."""
         tensors = {name: env[name].contiguous() for name in plan.tensor_inputs}
         x = tensors[plan.source]
         out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
         pre = torch.empty_like(out) if plan.pre else None
-        kernel, grid, args, kwargs = self.launch_arguments(plan, x, tensors, buffer, out, pre)
+        kernel, grid, args, kwargs = self.launch_arguments(plan, x, tensors, buffer, out, pre,
+                                                           tuning)
         kernel[grid](*args, **kwargs)
         return plan.results(out, pre)
 
@@ -255,12 +286,14 @@ class SymmAllReduce(Algorithm):
         if plan is None:
             raise ValueError(f"{self.name}: span not supported")
         data_bytes = self.data_bytes(plan, ctx.world_size)
+        tuning = tuning_of(ctx.settings)
+        fast = ctx.settings.fast_launch if ctx.settings is not None else True
         with torch.cuda.device(ctx.device):
             # Warm-up: compile and run once on private scratch with pre-satisfied barriers.
             scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
                        for n in plan.tensor_inputs}
             buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)
-            self.launch(plan, scratch, buffer)
+            self.launch(plan, scratch, buffer, tuning)
             torch.cuda.synchronize(ctx.device)
             del scratch, buffer
 
@@ -271,7 +304,8 @@ class SymmAllReduce(Algorithm):
             if prepared is None:  # collective; the engine's first call is eager and in lockstep
                 buffer = symm_buffers.get_buffer(ctx.group, ctx.device, self.kind, data_bytes,
                                                  self.kernel.lamport_width(plan.dtype))
-                prepared = state["prepared"] = PreparedLaunch(self, plan, buffer, env)
+                prepared = state["prepared"] = PreparedLaunch(self, plan, buffer, env, tuning,
+                                                              fast)
             return prepared(env)
         return run
 

@@ -1,0 +1,182 @@
+"""FlashInfer's TensorRT-LLM all-reduce kernels as peers of the latency sweep (launch/bench.py).
+
+Optional: `pip install infini_dist[flashinfer]` (the device carries a trimmed wheel, made by
+.ci/trim_flashinfer_wheel). Rows, per pattern and token count:
+  fi_fused_one_shot   add_rms_norm: trtllm_allreduce_fusion, pattern kARResidualRMSNorm, the
+                      Lamport one-shot kernel (all-reduce + residual add + RMSNorm in one kernel)
+  fi_fused_two_shot   the same, its two-shot kernel (needs tokens > world size)
+  fi_ar_one_shot      other patterns: the same kernels with pattern kAllReduce, then the
+  fi_ar_two_shot      epilogue in eager torch (as the symm_* peers)
+Every kernel runs with fp32 accumulation and without programmatic dependent launch, like the
+other peers. One IPC workspace per group, sized for the sweep's largest case, made once and
+freed by close(); its first use JIT-builds the kernels with nvcc (minutes, cached after).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+NOT_INSTALLED = ("flashinfer: not installed (pip install infini_dist[flashinfer]); "
+                 "its rows are skipped")
+WORLD_SIZES = (2, 4, 8, 16)  # what trtllm_allreduce_fusion dispatches on
+# Elementwise |got - ref| <= ATOL + RTOL * |ref| against the float32 reference: a 16-bit output
+# is a few roundings away from it; a missing or doubled rank's share is far outside.
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2 ** -6, 2 ** -6),
+             torch.float16: (2 ** -6, 2 ** -6)}
+
+
+def open_peers(group, max_tokens: int, hidden: int, dtype, device):
+    """The FlashInfer peers for this group, or None (the reason printed once, on rank 0)."""
+    reason, comm = None, None
+    try:
+        import flashinfer.comm as comm
+    except Exception as error:  # noqa: BLE001 - installed but broken (a missing dependency...)
+        absent = isinstance(error, ModuleNotFoundError) and error.name == "flashinfer"
+        reason = NOT_INSTALLED if absent else (
+            f"flashinfer: import failed ({type(error).__name__}: {error}); its rows are skipped")
+    if comm is not None and device.type != "cuda":
+        reason = "flashinfer: needs CUDA ranks; its rows are skipped"
+    elif comm is not None and dist.get_world_size(group) not in WORLD_SIZES:
+        reason = (f"flashinfer: its kernels take {WORLD_SIZES} ranks, not "
+                  f"{dist.get_world_size(group)}; its rows are skipped")
+    peers = None
+    if reason is None:
+        try:  # the first use JIT-builds the kernels: a failure there is the same on every rank
+            peers = FlashInferPeers(comm, group, max_tokens, hidden, dtype)
+        except Exception as error:  # noqa: BLE001 - the sweep goes on without this peer
+            reason = f"flashinfer: setup failed ({type(error).__name__}: {error}"[:400] + (
+                "); its rows are skipped")
+    if reason is not None and dist.get_rank() == 0:
+        print(reason, flush=True)
+    return peers
+
+
+class FlashInferPeers:
+    def __init__(self, comm, group, max_tokens, hidden, dtype):
+        self.comm, self.group, self.hidden, self.dtype = comm, group, hidden, dtype
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # The legacy API (marked deprecated in 0.7) allocates through torch symmetric memory,
+        # which runs on the device; the unified one exchanges cuMem handles over fds.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.handles, self.workspace, self.meta = (
+                comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
+                    self.rank, self.world, max_tokens, hidden,
+                    use_fp32_lamport=dtype == torch.float32, group=group,
+                    create_metadata=True))
+
+    def close(self):
+        if self.handles is not None:
+            torch.cuda.synchronize()
+            dist.barrier(group=self.group)  # no rank frees while a peer still reads its buffers
+            self.comm.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(self.handles,
+                                                                         self.group)
+            self.handles = self.workspace = None
+
+    def _variants(self, tokens: int) -> list[tuple[str, bool]]:
+        # The one-shot kernel stages every rank's input in the Lamport buffer; past its size the
+        # library would switch to two-shot under the one-shot name, so the row is left out.
+        lamport = tokens * self.hidden * self.world * self.dtype.itemsize
+        out = [("one_shot", True)] if lamport <= self.meta["lamport_comm_size"] else []
+        if tokens > self.world:  # the two-shot kernel splits the tokens over the ranks
+            out.append(("two_shot", False))
+        return out
+
+    def _call(self, x, oneshot, pattern_code, **outputs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.comm.trtllm_allreduce_fusion(
+                allreduce_in=x, world_size=self.world, world_rank=self.rank,
+                token_num=x.shape[0], hidden_dim=self.hidden, workspace_ptrs=self.workspace,
+                launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,
+                pattern_code=pattern_code, use_oneshot=oneshot,
+                allreduce_out=outputs.get("allreduce_out"),
+                residual_in=outputs.get("residual_in"),
+                residual_out=outputs.get("residual_out"), norm_out=outputs.get("norm_out"),
+                quant_out=None, scale_out=None, rms_gamma=outputs.get("rms_gamma"),
+                rms_eps=outputs.get("rms_eps"), scale_factor=None, layout_code=None,
+                metadata=self.meta)
+
+    def peers(self, pattern, inputs, epilogue, eps):
+        """name -> (callable, reset), as bench.peers. `epilogue(y, inputs)` is the user's eager
+        epilogue (for add_rms_norm it returns (normed, y + residual), which the fused kernel
+        must match). A variant whose output is off the float32 reference on any rank raises
+        instead of running, so its row shows the error."""
+        x = inputs["x"]
+        if x.shape[1] != self.hidden or x.dtype != self.dtype:
+            raise ValueError(f"workspace is for hidden {self.hidden} {self.dtype}, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        codes = self.comm.AllReduceFusionPattern
+        impls = {}
+        for suffix, oneshot in self._variants(x.shape[0]):
+            if pattern == "add_rms_norm":
+                outs = {"residual_out": torch.empty_like(x), "norm_out": torch.empty_like(x)}
+
+                def run(oneshot=oneshot, outs=outs):
+                    self._call(x, oneshot, codes.kARResidualRMSNorm, **outs,
+                               residual_in=inputs["residual"], rms_gamma=inputs["weight"],
+                               rms_eps=eps)
+                    return outs["norm_out"], outs["residual_out"]
+                name = f"fi_fused_{suffix}"
+            else:
+                y = torch.empty_like(x)
+
+                def run(oneshot=oneshot, y=y):
+                    self._call(x, oneshot, codes.kAllReduce, allreduce_out=y)
+                    return epilogue(y, inputs)
+                name = f"fi_ar_{suffix}"
+            try:
+                error = output_error(run(), inputs, epilogue, self.group)
+            except Exception as failure:  # noqa: BLE001 - a shape the kernels refuse, say
+                error = f"{type(failure).__name__}: {failure}"[:300]
+            if error is None:
+                impls[name] = (run, lambda: None)
+            else:
+                if dist.get_rank() == 0:
+                    print(f"  {name} wrong: {error}; not timed", flush=True)
+                impls[name] = (_raiser(error), lambda: None)
+        return impls
+
+
+def output_error(got, inputs, epilogue, group) -> str | None:
+    """None when `got` (this rank's output, a tensor or a tuple) matches the float32 reference
+    `epilogue(sum of every rank's x, inputs)` on every rank of `group`, else what is off: one
+    verdict on all ranks, so none times a peer that another skips."""
+    wide = {k: v.float() for k, v in inputs.items()}
+    y = wide["x"].clone()
+    dist.all_reduce(y, group=group)
+    want = epilogue(y, wide)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    atol, rtol = TOLERANCE[inputs["x"].dtype]
+    excess = max(float(torch.nan_to_num((g.float() - w).abs() - rtol * w.abs(),
+                                        nan=float("inf")).max()) for g, w in zip(got, want))
+    worst = torch.tensor([excess], dtype=torch.float64, device=inputs["x"].device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    worst = float(worst.item())
+    return None if worst <= atol else (
+        f"|out - fp32 reference| exceeds {atol:g} + {rtol:g}*|ref| by up to {worst:.3g}")
+
+
+def _raiser(message):
+    def fail():
+        raise RuntimeError(f"wrong output: {message}")
+    return fail
+
+
+def engine_vs_flashinfer(rows, mode="graph") -> list[str]:
+    """Per (pattern, tokens): how many times faster the engine row is than the fastest
+    FlashInfer row of the same case (the issue-15 target: >= 1.2 at <= 128 tokens)."""
+    out = []
+    for row in rows:
+        if row["impl"] != "engine" or row.get(f"{mode}_us") is None:
+            continue
+        theirs = [r[f"{mode}_us"] for r in rows if r["impl"].startswith("fi_")
+                  and (r["pattern"], r["tokens"]) == (row["pattern"], row["tokens"])
+                  and r.get(f"{mode}_us") is not None]
+        if theirs:
+            out.append(f"{row['pattern']}/{row['tokens']} {min(theirs) / row[f'{mode}_us']:.2f}x")
+    return out

@@ -1,0 +1,45 @@
+"""The FlashInfer peer of `infini-dist bench` (launch/peers_flashinfer.py). Its kernels need GPUs
+(and flashinfer, absent here: test_bench_native checks the skip line); the output check that
+keeps a wrong peer from being timed runs here, on 2 gloo ranks, with real outputs."""
+
+from __future__ import annotations
+
+from multirank import run_ranks
+
+
+def _verdicts(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from infini_dist.launch import bench
+    from infini_dist.launch.peers_flashinfer import output_error
+
+    found = {}
+    for pattern in ("add_rms_norm", "swiglu", "relu_scale"):
+        inputs = bench.make_inputs(pattern, 8, 64, torch.bfloat16, torch.device("cpu"), rank)
+
+        def epilogue(y, sides, pattern=pattern):
+            return bench.eager_epilogue(pattern, y, sides)
+        summed = inputs["x"].clone()
+        dist.all_reduce(summed)  # in bf16: what a 16-bit peer returns is as far off as this
+        right = epilogue(summed, inputs)
+        alone = epilogue(inputs["x"], inputs)  # this rank's share only: a broken all-reduce
+        one_rank_wrong = alone if rank == 1 else right
+        found[pattern] = [output_error(got, inputs, epilogue, None)
+                          for got in (right, alone, one_rank_wrong)]
+    nan = bench.make_inputs("relu_scale", 4, 64, torch.float32, torch.device("cpu"), rank)
+    got = torch.full_like(nan["x"], float("nan"))
+    found["nan"] = output_error(got, nan, lambda y, s: bench.eager_epilogue("relu_scale", y, s),
+                                None)
+    return found
+
+
+def test_output_check_passes_a_right_peer_and_fails_a_wrong_one_on_every_rank():
+    per_rank = run_ranks(_verdicts, 2)
+    assert per_rank[0] == per_rank[1]  # one verdict: no rank times what another skips
+    for pattern in ("add_rms_norm", "swiglu", "relu_scale"):
+        right, alone, one_rank_wrong = per_rank[0][pattern]
+        assert right is None, (pattern, right)
+        assert alone and "fp32 reference" in alone, pattern
+        assert one_rank_wrong and "fp32 reference" in one_rank_wrong, pattern
+    assert per_rank[0]["nan"] and "inf" in per_rank[0]["nan"]

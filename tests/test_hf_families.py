@@ -1,0 +1,106 @@
+"""HF model families under transformers' own TP on 2 gloo ranks (fp32, one layer, random
+weights, no download), compiled with the pass: every all_reduce that a norm follows is fused with
+that norm, logits match eager TP, and ranks agree bitwise.
+
+Each family spells its norms and residuals its own way: Gemma2 scales by (1 + w) and norms before
+and after each block (post-norms), OLMo2 norms the block output before the residual add, GPT-NeoX
+runs attention and MLP in parallel off one LayerNorm'd input and sums both all_reduces with the
+residual, Phi3 is Llama-like with fused qkv / gate_up projections.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from multirank import run_ranks
+from test_compile_tp import _env, _own_inductor_cache
+from test_train_tp import record_sites
+
+VOCAB = 128
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+NORMS = {"rms_norm", "add_rms_norm", "gemma_rms_norm", "layer_norm", "add_layer_norm"}
+
+# family -> (config class, extra config, sites expected to carry a norm, norm-free sites allowed)
+FAMILIES = {
+    # embedding AR -> * sqrt(hidden) -> RMSNorm; o_proj / down_proj AR -> post-norm -> add -> norm
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16}, 3, 0),
+    # post-norm: o_proj / down_proj AR -> RMSNorm -> add; the embedding AR feeds q/k/v unnormed
+    "olmo2": ("Olmo2Config", {}, 2, 1),
+    # parallel residual: attention AR + MLP AR + residual -> the final LayerNorm
+    "gpt_neox": ("GPTNeoXConfig", {}, 1, 0),
+    # embedding AR -> RMSNorm; o_proj / down_proj AR -> add -> RMSNorm
+    "phi3": ("Phi3Config", {}, 3, 0),
+}
+
+
+def save_family(family: str, path) -> str:
+    import transformers
+    config_name, extra, _, _ = FAMILIES[family]
+    config = getattr(transformers, config_name)(**SMALL, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norm weights and biases away from their init, so a lost one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def _deepest_fused(medians):
+    """Timing hook: native slowest, and the deeper a choice's epilogue the faster, so the
+    numerics below are those of the fullest fusion (CPU timings would mostly pick native)."""
+    depth = {n: int(re.search(r"e(\d+)", n).group(1)) if re.search(r"e\d+", n) else 0
+             for n in medians}
+    # ... and a sum-first choice (one all_reduce for GPT-NeoX's two) ahead of all others.
+    return {n: 10.0 if n == "native" else 9.0 - 0.1 * depth[n] - 5.0 * n.startswith("sum_first+")
+            for n in medians}
+
+
+def family_rank(rank, world, path):
+    from transformers import AutoModelForCausalLM
+
+    import infini_dist.compile as idc
+    from infini_dist.launch.bench_hf import check_sharded, tp_load_kwargs
+    from infini_dist.scheduler import engine
+    engine.timing_hook = _deepest_fused  # this process only: a fresh rank per test
+    _own_inductor_cache(rank)
+    os.environ["WORLD_SIZE"] = str(world)  # transformers sizes TP from it (torchrun sets it)
+    graphs = record_sites()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 **tp_load_kwargs()).eval()
+    check_sharded(model)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        compiled = idc.compile_model(model)(input_ids=ids).logits
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in (eager, compiled)]
+    return {"eager": local[0], "compiled": local[1], "sites": graphs[0] if graphs else [],
+            "choices": sorted({(d["op"], d["choice"]) for d in idc.decisions()})}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_family_fuses_every_all_reduce_with_its_norm(tmp_path, family):
+    pytest.importorskip("transformers")
+    path = save_family(family, tmp_path / family)
+    results = run_ranks(family_rank, 2, path, env=_env(tmp_path), timeout=400)
+    _, _, with_norm, norm_free = FAMILIES[family]
+    for r in results:
+        sites = r["sites"]
+        assert all(s.count("all_reduce") >= 1 for s in sites), sites
+        normed = [s for s in sites if NORMS & set(s)]
+        assert len(normed) == with_norm, sites
+        assert len(sites) - len(normed) == norm_free, sites
+        # a site with a norm fuses it; a bare all_reduce has nothing to fuse (native only)
+        normed_choices = [c for op, c in r["choices"] if NORMS & set(op.split("+"))]
+        assert len(normed_choices) >= 1 and "native" not in normed_choices, r["choices"]
+        scale = float(r["eager"].abs().max())
+        assert float((r["compiled"] - r["eager"]).abs().max()) <= 1e-4 * (1 + scale)
+    assert torch.equal(results[0]["compiled"], results[1]["compiled"])
+    assert results[0]["sites"] == results[1]["sites"]
