@@ -96,6 +96,16 @@ class SymmKernel:
         symm_buffers.SymmBuffer to use (default: this kernel's cached symmetric buffer of
         `group`, allocated on first use, which needs CUDA). `tuning`: a symm_device.SymmTuning,
         the same on every rank."""
+        kernel, grid, args, kwargs, out, pre = self.bind(
+            x, group=group, prologue=prologue, epilogue=epilogue, weight=weight,
+            residual=residual, eps=eps, buffer=buffer, norm=norm, bias=bias, tuning=tuning)
+        kernel[grid](*args, **kwargs)
+        return (out, pre) if pre is not None else out
+
+    def bind(self, x, *, group=None, prologue=(), epilogue=(), weight=None, residual=None,
+             eps=1e-6, buffer=None, norm="rms_norm", bias=None, tuning=DEFAULT_TUNING):
+        """What a call launches, unlaunched: (kernel, grid, args, kwargs, out, pre), for the
+        same arguments (tests compile it with `kernel.warmup(*args, grid=grid, **kwargs)`)."""
         if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() == 0 \
                 or x.numel() == 0:
             raise ValueError("x must be a non-empty float16, bfloat16 or float32 tensor")
@@ -116,8 +126,7 @@ class SymmKernel:
         pre = torch.empty_like(x) if residual is not None else None
         kernel, grid, args, kwargs = self.launch(x, buffer, out, pre=pre, tuning=tuning,
                                                  **options)
-        kernel[grid](*args, **kwargs)
-        return (out, pre) if pre is not None else out
+        return kernel, grid, args, kwargs, out, pre
 
 
 def _norm_options(x, norm, weight, bias, residual) -> dict:

@@ -138,7 +138,10 @@ def _dispatch():
     filename = f"<infini_dist symm dispatch {hashlib.sha256(source.encode()).hexdigest()[:16]}>"
     # Triton reads a jit function's source back with inspect.getsource.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"triton": triton, "tl": tl, "round_to": round_to, "sigmoid_fp32": sigmoid_fp32}
+    # __name__ gives the generated functions a __module__: Triton's compiler (not its interpreter)
+    # reads it for every global a kernel names, and fails on None.
+    namespace = {"__name__": __name__, "triton": triton, "tl": tl, "round_to": round_to,
+                 "sigmoid_fp32": sigmoid_fp32}
     exec(compile(source, filename, "exec"), namespace)
     return namespace["apply_op"], namespace["apply_norm"]
 

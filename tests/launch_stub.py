@@ -168,3 +168,19 @@ def launch_names(env, outputs, buffer) -> dict:
                   buffer.epoch.data_ptr(): "epoch"})
     return names
 
+
+
+def _compile_start(home):
+    """Pool initializer: the stand-in driver only, so Triton's CUDA backend compiles for real
+    (sm_90, down to a cubin) on the CPU; nothing is launched."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["HOME"] = home
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(home, "triton_cache")
+    os.makedirs(home, exist_ok=True)
+    import triton
+    triton.runtime.driver.set_active(StubDriver())
+
+
+def compile_pool(home):
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_compile_start, initargs=(home,))

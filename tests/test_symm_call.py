@@ -1,5 +1,8 @@
 """kernels/symm_call.py: the plain callables refuse bad input with a clear error before any
-launch or buffer allocation (their numerics: tests/test_symm_<kernel>.py)."""
+launch or buffer allocation (their numerics: tests/test_symm_<kernel>.py), and on a GPU every
+spec'd step and norm compiles and runs in each of them."""
+
+import os
 
 import pytest
 import torch
@@ -35,3 +38,19 @@ def _buffer(world_size=2, data_bytes=1 << 12):
 def test_bad_input_raises_before_launch(x, options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         one_shot_all_reduce(x, buffer=_buffer(), **options)
+
+
+@pytest.mark.gpu
+def test_every_step_and_norm_on_gpu():
+    """Each spec'd chain step and norm compiled by the GPU compiler in every kernel: one GPU
+    suffices (tests/gpu_symm_every_step.py; the engine offers the kernels from two GPUs up)."""
+    import subprocess
+    import sys
+    worker = os.path.join(os.path.dirname(__file__), "gpu_symm_every_step.py")
+    from multirank import SAFE_GPU_ENV
+    env = dict(os.environ, **SAFE_GPU_ENV)
+    done = subprocess.run(["timeout", "400", sys.executable, "-m", "torch.distributed.run",
+                           f"--nproc-per-node={min(torch.cuda.device_count(), 2)}", worker],
+                          env=env, capture_output=True, text=True, timeout=450)
+    assert done.returncode == 0 and "ALL OK" in done.stdout, \
+        done.stdout[-4000:] + done.stderr[-4000:]
