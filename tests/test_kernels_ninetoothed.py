@@ -183,6 +183,10 @@ CHAINS = {
                           ["ar", "res", "w"], ["y", "h"]),
     "add_rms_norm": ([N("add_rms_norm", "ar", "res", "w", ("y", "h"), eps=1e-6)],
                      ["ar", "res", "w"], ["y", "h"]),
+    # Gemma's (1 + w) norm, then a LayerNorm with weight and bias (the other spec'd norms)
+    "gemma_then_layer_norm": ([N("add", "ar", "res", "h"), N("gemma_rms_norm", "h", "w", "g"),
+                               N("layer_norm", "g", "w", "bias", "y", eps=1e-5)],
+                              ["ar", "res", "w", "bias"], ["y", "g"]),
     # Zero lanes past the row end become sigmoid(0) = 0.5: the norm must not sum them.
     "sigmoid_norm_silu": ([N("sigmoid", "ar", "s"), N("rms_norm", "s", "w", "y"),
                            N("silu", "y", "z")], ["ar", "w"], ["z"]),
