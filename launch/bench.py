@@ -1,7 +1,8 @@
 """Latency sweep of all_reduce + epilogue: our engine and its candidates against the peers.
 
     torchrun --nproc-per-node=4 -m infini_dist.launch.bench --out bench_out \\
-        [--tokens 1,16,128,1024,8192] [--hidden 4096] [--patterns add_rms_norm,relu_scale,swiglu]
+        [--tokens 1,16,128,1024,8192] [--hidden 4096]
+        [--patterns add_rms_norm,add_rms_norm_fp8,relu_scale,swiglu]
 
 Per pattern and token count, every implementation is timed under CUDA-graph replay and eagerly,
 in this one run, max over ranks (a collective is as slow as its slowest rank):
@@ -44,6 +45,7 @@ from infini_dist.launch.peers_flashinfer import engine_vs_flashinfer, open_peers
 
 EPS = 1e-6
 SCALE = 0.5
+FP8_SCALE = 0.05  # a static per-tensor scale: normed values of a few units use e4m3's range
 
 
 def pattern_graph(pattern: str) -> SubGraph:
@@ -51,6 +53,11 @@ def pattern_graph(pattern: str) -> SubGraph:
     if pattern == "add_rms_norm":
         return SubGraph((ar, OpNode("add_rms_norm", ("y", "residual", "weight"), ("out", "h"),
                                     {"eps": EPS})), ("x", "residual", "weight"), ("out", "h"))
+    if pattern == "add_rms_norm_fp8":  # FP8 inference: the normed value quantized, static scale
+        return SubGraph((ar, OpNode("add_rms_norm", ("y", "residual", "weight"), ("n", "h"),
+                                    {"eps": EPS}),
+                         OpNode("quant_fp8", ("n",), ("out",), {"scale": FP8_SCALE})),
+                        ("x", "residual", "weight"), ("out", "h"))
     if pattern == "relu_scale":
         return SubGraph((ar, OpNode("relu", ("y",), ("a",)),
                          OpNode("scale", ("a",), ("out",), {"scale": SCALE})), ("x",), ("out",))
@@ -61,9 +68,12 @@ def pattern_graph(pattern: str) -> SubGraph:
 
 def eager_epilogue(pattern: str, y, inputs):
     """What a user writes after the all_reduce, in eager torch."""
-    if pattern == "add_rms_norm":
+    if pattern in ("add_rms_norm", "add_rms_norm_fp8"):
         h = y + inputs["residual"]
-        return F.rms_norm(h, (h.shape[-1],), inputs["weight"], EPS), h
+        out = F.rms_norm(h, (h.shape[-1],), inputs["weight"], EPS)
+        if pattern == "add_rms_norm_fp8":
+            out = (out / FP8_SCALE).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return out, h
     if pattern == "relu_scale":
         return torch.relu(y) * SCALE
     return F.silu(y) * inputs["up"]
@@ -239,7 +249,9 @@ def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
     impls["engine"] = (lambda: executor.run(inputs, group), lambda: None)
     expected = impls["native"][0]()
     expected = expected[0] if isinstance(expected, tuple) else expected
-    error = float((reference["out"].float() - expected.float()).abs().max())
+    # (an fp8 output compares as its dequantized values, so the error is in the input's units)
+    unit = FP8_SCALE if expected.dtype == torch.float8_e4m3fn else 1.0
+    error = float((reference["out"].float() - expected.float()).abs().max()) * unit
     rows = []
     for name, (fn, reset) in impls.items():
         row = {"pattern": pattern, "tokens": tokens, "impl": name}
@@ -306,7 +318,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="1,16,128,1024,8192")
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--patterns", default="add_rms_norm,relu_scale,swiglu")
+    parser.add_argument("--patterns", default="add_rms_norm,add_rms_norm_fp8,relu_scale,swiglu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--trials", type=int, default=5)

@@ -29,7 +29,8 @@ def test_above_native_lists_only_engine_rows_slower_than_native_beyond_noise():
 def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     out = tmp_path / "out"
     run = run_cli(tmp_path, "bench", "--nproc", "2", "--cpu-smoke", "--tokens", "2", "--hidden",
-                  "32", "--patterns", "add_rms_norm", "--trials", "2", "--replays", "2", "--out",
+                  "32", "--patterns", "add_rms_norm,add_rms_norm_fp8", "--trials", "2",
+                  "--replays", "2", "--out",
                   str(out), timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
@@ -39,6 +40,11 @@ def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     case = data["meta"]["cases"]["add_rms_norm/2"]
     assert case["engine_vs_native_max_abs"] < 1e-5  # float32 on CPU
     assert "native" in case["tuning_times_us"]
+    # The FP8 row, in the input's units: at most one e4m3 step (8 at scaled values below 64)
+    fp8 = data["meta"]["cases"]["add_rms_norm_fp8/2"]
+    assert fp8["engine_vs_native_max_abs"] <= bench.FP8_SCALE * 8
+    assert {("add_rms_norm_fp8", "engine"), ("add_rms_norm_fp8", "native")} <= {
+        (r["pattern"], r["impl"]) for r in data["rows"]}
     assert isinstance(data["meta"]["engine_above_native"], list)
     assert "engine above native by more than 5%" in run.stdout
     # FlashInfer is an optional peer: absent (or on CPU ranks) it is named once, then skipped.
