@@ -36,6 +36,8 @@ CODES = {step.name: code for code, (_, step) in enumerate(_STEPS, start=1)}
 STEPS = {step.name: step for _, step in _STEPS}
 _NORMS = [spec for spec in SPECS.values() if spec.symm_norm is not None]
 NORM_CODES = {spec.name: code for code, spec in enumerate(_NORMS, start=1)}
+# The norms that can also write their per-row rsqrt (the rms_rstd output).
+RSTD_NORMS = frozenset(NORM_CODES[spec.name] for spec in _NORMS if spec.symm_norm.rstd)
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,8 @@ _LOADS = {"row": "side_ptr + index",
 
 
 def dispatch_source() -> str:
-    """`apply_op` (a chain step by op code) and `apply_norm` (the norm slot by norm code), with
-    one constexpr branch per spec'd step and norm."""
+    """`apply_op` (a chain step by op code) and `apply_norm` (the norm slot by norm code: the
+    normalised row and its rsqrt), with one constexpr branch per spec'd step and norm."""
     lines = ["@triton.jit",
              "def apply_op(x, OP: tl.constexpr, scalar, side_ptr, index, mask, "
              "DTYPE: tl.constexpr):",
@@ -128,8 +130,10 @@ def dispatch_source() -> str:
         if "bias" in spec.symm_norm.roles:
             lines.append("        bias = tl.load(bias_ptr + column, mask=mask, "
                          "other=0.0).to(tl.float32)")
+        # A norm without an rsqrt returns y in its place: never stored (RSTD_NORMS).
+        lines.append(f"        rstd = {spec.symm_norm.rstd or 'y'}")
         lines += [f"        {line}" for line in spec.symm_norm.code.splitlines()]
-    lines.append("    return y")
+    lines.append("    return y, rstd")
     return "\n".join(lines) + "\n"
 
 
@@ -158,26 +162,36 @@ def apply_chain(x, index, mask, OP0: tl.constexpr, scalar0, side0, OP1: tl.const
 
 
 @triton.jit
-def finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, bias_ptr, residual_ptr, eps,
-                E_OP0: tl.constexpr, e_scalar0, e_side0, E_OP1: tl.constexpr, e_scalar1, e_side1,
-                E_OP2: tl.constexpr, e_scalar2, e_side2, NORM: tl.constexpr,
-                RESIDUAL: tl.constexpr, WRITE_PRE: tl.constexpr, ROW_LEN: tl.constexpr):
+def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr, weight_ptr,
+                bias_ptr, residual_ptr, eps, E_OP0: tl.constexpr, e_scalar0, e_side0,
+                E_OP1: tl.constexpr, e_scalar1, e_side1, E_OP2: tl.constexpr, e_scalar2, e_side2,
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_PRE: tl.constexpr,
+                WRITE_RSTD: tl.constexpr, WRITE_REDUCED: tl.constexpr, ROW_LEN: tl.constexpr):
     """Epilogue of one item (a row when NORM != NO_NORM) from its reduced value `y` (fp32, already
     rounded to the output dtype like the all_reduce output), then its stores. RESIDUAL: the
-    residual is added in fp32 before the norm, and that sum is the value `pre` stores. `y` may
-    also be a [group, row] tile of several items; `column` then is [1, row]."""
+    residual is added in fp32 before the norm, and that sum is the value `pre` stores.
+    WRITE_RSTD: the norm's fp32 rsqrt per row, at `rstd_ptr` + row (training saves it for
+    backward). WRITE_REDUCED: `y` itself too (a training graph may read the all_reduce's value
+    beside the norm). `y` may also be a [group, row] tile of several items; `column` then is
+    [1, row]."""
+    dtype = out_ptr.dtype.element_ty
+    if WRITE_REDUCED:
+        tl.store(reduced_ptr + index, y.to(dtype), mask=mask)
     y = apply_chain(y, index, mask, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
-                    E_OP2, e_scalar2, e_side2, out_ptr.dtype.element_ty)
+                    E_OP2, e_scalar2, e_side2, dtype)
     if NORM == NO_NORM:
-        tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + index, y.to(dtype), mask=mask)
     else:
         if RESIDUAL:
             y = y + tl.load(residual_ptr + index, mask=mask, other=0.0).to(tl.float32)
         if WRITE_PRE:
-            tl.store(pre_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
-        y = apply_norm(tl.where(mask, y, 0.0), column, mask, weight_ptr, bias_ptr, eps, NORM,
-                       ROW_LEN)
-        tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(pre_ptr + index, y.to(dtype), mask=mask)
+        y, rstd = apply_norm(tl.where(mask, y, 0.0), column, mask, weight_ptr, bias_ptr, eps,
+                             NORM, ROW_LEN)
+        if WRITE_RSTD:  # one value per row (an item is a row), stored by its first element
+            tl.store(rstd_ptr + index // ROW_LEN, tl.broadcast_to(rstd, index.shape),
+                     mask=mask & (column == 0))
+        tl.store(out_ptr + index, y.to(dtype), mask=mask)
 
 
 # ---- host side: how a tensor is cut into items and programs --------------------------------------
@@ -216,25 +230,32 @@ def launch_layout(numel: int, row_len: int | None, norm: int, world_size: int) -
 
 
 def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                    weight=None, bias=None, residual=None, eps=1e-6, pre=None, row_len=None):
+                    weight=None, bias=None, residual=None, eps=1e-6, pre=None, rstd=None,
+                    reduced=None, row_len=None):
     """What every fused symmetric-memory launch on `buffer` (symm_buffers.SymmBuffer) shares,
     as (layout, leading args, kwargs). `prologue` / `epilogue` are ChainOps whose side tensors
     are looked up in `sides`; `norm` is a norm code, with `weight`, `bias` (layer_norm) and
-    `residual` (added before the norm) over rows of `row_len`. The kernel writes `out` and, if
-    given, `pre` (the value the norm normalises, i.e. the new residual); x stands in for the
-    pointers a launch does not use.
+    `residual` (added before the norm) over rows of `row_len`. The kernel writes `out` and, each
+    if given, `pre` (the value the norm normalises, i.e. the new residual), `rstd` (fp32, one
+    per row: that value's rsqrt(mean(pre^2) + eps), for a norm of RSTD_NORMS) and `reduced`
+    (the all_reduce's value, before the epilogue); x stands in for the pointers a launch does
+    not use.
     Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
     bound once and reused with other tensors of the same shape (scheduler/backends/symm.PreparedLaunch)."""
+    if rstd is not None and norm not in RSTD_NORMS:
+        raise ValueError(f"norm code {norm} has no rsqrt to write; those that do: "
+                         f"{sorted(RSTD_NORMS)}")
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
     p_values, p_codes = chain_arguments(prologue, sides, x)
     e_values, e_codes = chain_arguments(epilogue, sides, x)
     # The kernels take x, then the prologue and the epilogue as tuples (symm_device): the
     # epilogue's runtime part leads with its outputs and the norm's operands.
-    outputs = (out, x if pre is None else pre, x if weight is None else weight,
-               x if bias is None else bias, x if residual is None else residual, float(eps))
+    outputs = tuple(x if t is None else t
+                    for t in (out, pre, rstd, reduced, weight, bias, residual)) + (float(eps),)
     head = (x, p_values, outputs + e_values)
+    writes = (pre is not None, rstd is not None, reduced is not None)
     kwargs = dict(
-        PROLOGUE=p_codes, EPILOGUE=e_codes + (norm, residual is not None, pre is not None),
+        PROLOGUE=p_codes, EPILOGUE=e_codes + (norm, residual is not None) + writes,
         ITEM=layout.item, BLOCK=layout.block, WORLD_SIZE=buffer.world_size,
         WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
     return layout, head, kwargs

@@ -9,9 +9,9 @@ composes, so that each kernel reads as signature, phases, launch.
   stores only, staggered so peers are not all hit at once.
 - The chains (`apply_prologue`, `finish`): the symm_chain ops, unpacked from the kernels' tuple
   arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE = (OP0, OP1, OP2) and
-  EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE) constexpr, `prologue` = (scalar, side) x 3
-  and `epilogue` = (out, pre, weight, bias, residual, eps) + (scalar, side) x 3
-  (symm_chain.fused_arguments).
+  EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE, WRITE_RSTD, WRITE_REDUCED) constexpr,
+  `prologue` = (scalar, side) x 3 and `epilogue` = (out, pre, rstd, reduced, weight, bias,
+  residual, eps) + (scalar, side) x 3 (symm_chain.fused_arguments).
 - The two-shot phases over groups of items (`staging_targets`, `scatter_items`, `reduce_items`,
   `finish_items`), shared by the barrier, Lamport and polled-gather two-shot kernels.
 
@@ -85,8 +85,9 @@ def apply_prologue(x, index, mask, chain, OPS: tl.constexpr, DTYPE: tl.constexpr
 def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr):
     """symm_chain.finish_item (the epilogue chain, the norm, the stores) of the reduced `y`."""
     finish_item(y, index, column, mask, epilogue[0], epilogue[1], epilogue[2], epilogue[3],
-                epilogue[4], epilogue[5], OPS[0], epilogue[6], epilogue[7], OPS[1], epilogue[8],
-                epilogue[9], OPS[2], epilogue[10], epilogue[11], OPS[3], OPS[4], OPS[5], ITEM)
+                epilogue[4], epilogue[5], epilogue[6], epilogue[7], OPS[0], epilogue[8],
+                epilogue[9], OPS[1], epilogue[10], epilogue[11], OPS[2], epilogue[12],
+                epilogue[13], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], ITEM)
 
 
 @triton.jit

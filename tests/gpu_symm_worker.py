@@ -22,8 +22,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from symm_cases import (PATTERNS, build, digest, full_span, make_inputs, max_error,  # noqa: E402
-                        meta_of, reference)
+from symm_cases import (PATTERNS, RSTD_TOLERANCE, TRAIN, build, digest,  # noqa: E402
+                        full_span, make_inputs, max_error, meta_of, reference, rstd_error)
 
 import infini_dist  # noqa: E402
 from infini_dist.kernels import symm_buffers  # noqa: E402
@@ -69,6 +69,8 @@ def check_eager(algorithm, pattern, shape, dtype, ctx):
         error = max_error(got, reference(graph, everyone, ctx.rank))
         name = f"{algorithm.name} {pattern} {shape} {dtype} call {call}"
         check(error <= TOLERANCE[dtype], f"{name}: error {error:.3g}")
+        rstd = rstd_error(graph, got, local)  # the rsqrt the norm used
+        check(rstd <= RSTD_TOLERANCE, f"{name}: rstd error {rstd:.3g}")
         check(same_everywhere(digest(got)), f"{name}: ranks differ")
 
 
@@ -123,7 +125,9 @@ def check_mixed_grids(algorithm, ctx, dtype=torch.bfloat16):
 
 def check_engine(ctx, dtype=torch.bfloat16):
     from infini_dist.scheduler.engine import executor_for
-    for pattern, shape in (("add_rms_norm", (16, 4096)), ("relu_scale", (1, 4096))):
+    from infini_dist.scheduler.ir import find_sites
+    for pattern, shape in (("add_rms_norm", (16, 4096)), ("relu_scale", (1, 4096)),
+                           (TRAIN, (2048, 4096))):
         graph = build(pattern)
         everyone, local = inputs_for(graph, shape, dtype, 3, ctx.world_size, ctx.rank,
                                      ctx.device)
@@ -136,6 +140,11 @@ def check_engine(ctx, dtype=torch.bfloat16):
             print(f"engine {pattern} {shape}: committed {record['choice']} ({times})", flush=True)
         check(any(c.startswith(("one_shot", "two_shot")) for c in record["candidates"]),
               f"engine {pattern}: no symm candidate survived: {record['candidates']}")
+        # The whole site in one launch (a training forward's too: rsqrt and reduced value).
+        full = f",e{len(find_sites(graph)[0].epilogue)}]"
+        check(any(c.startswith(tuple(symm_algorithms())) and c.endswith(full)
+                  for c in record["candidates"]),
+              f"engine {pattern}: no full-depth symm candidate: {record['candidates']}")
         error = max_error(got, reference(graph, everyone, ctx.rank))
         check(error <= TOLERANCE[dtype], f"engine {pattern}: error {error:.3g}")
 
@@ -166,13 +175,14 @@ def main():
             check_eager(algorithm, "prologue_norm", (9, 512), dtype, ctx)
             check_eager(algorithm, "plain", (1, 333), dtype, ctx)
         check_eager(algorithm, "add_rms_norm", (200, 4096), torch.bfloat16, ctx)  # > programs
-        for pattern in ("add_rms_norm", "swiglu", "prologue_gelu"):
+        for pattern in ("add_rms_norm", TRAIN, "swiglu", "prologue_gelu"):
             check_graph_replay(algorithm, pattern, (16, 4096), torch.bfloat16, ctx)
         check_mixed_grids(algorithm, ctx)
         check_callable(algorithm, ctx)
     for algorithm in algorithms:
         if algorithm.name in big:
             check_eager(algorithm, "add_rms_norm", big[algorithm.name], torch.bfloat16, ctx)
+            check_eager(algorithm, TRAIN, big[algorithm.name], torch.bfloat16, ctx)
     if args.only in (None, "engine"):
         check_engine(ctx)
     two_shot = registered["two_shot"]

@@ -13,30 +13,43 @@ import hashlib
 import torch
 
 from infini_dist.kernels.epilogue import SPECS
+from infini_dist.kernels.epilogue.rms_rstd import SPEC as RSTD_SPEC
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 
 CPU = RunContext(None, 1, 0, torch.device("cpu"))
+RSTD = RSTD_SPEC.name
+TRAIN = f"add_rms_norm+{RSTD}+reduced"
+RSTD_TOLERANCE = 1e-5  # relative, for rstd_error: fp32 sums of a row in another order
 
 
 def _graph(nodes, inputs, outputs):
     return SubGraph(tuple(nodes), tuple(inputs), tuple(outputs))
 
 
+def _rstd(value: str) -> OpNode:
+    """The norm's saved rsqrt, as the compile pass exposes it in a training forward."""
+    return OpNode(RSTD, (value,), ("t",), {"eps": 1e-5})
+
+
 def _spec_patterns() -> dict:
     """A pattern per norm and per vector step of the op specs (kernels/epilogue), so every
     symmetric-memory kernel covers an op as soon as its spec exists: "add_then_<norm>" (the
-    residual add, then the norm: weight "w", bias "b") and "<step>" (y op b, b a 1-D vector)."""
+    residual add, then the norm: weight "w", bias "b"), for a norm with an rsqrt also
+    "add_then_<norm>+rstd" (its rms_rstd "t" too), and "<step>" (y op b, b a 1-D vector)."""
     ar = OpNode("all_reduce", ("x",), ("y",))
     patterns = {}
     for spec in SPECS.values():
         roles = spec.symm_norm.roles if spec.symm_norm else ("residual",)
         if "residual" not in roles:
             operands = ("s",) + tuple({"weight": "w", "bias": "b"}[r] for r in roles[1:])
-            patterns[f"add_then_{spec.name}"] = _graph(
-                [ar, OpNode("add", ("res", "y"), ("s",)),
-                 OpNode(spec.name, operands, ("n",), {"eps": 1e-5})],
-                ["x", "res", *operands[1:]], ["n", "s"])
+            nodes = [ar, OpNode("add", ("res", "y"), ("s",)),
+                     OpNode(spec.name, operands, ("n",), {"eps": 1e-5})]
+            patterns[f"add_then_{spec.name}"] = _graph(nodes, ["x", "res", *operands[1:]],
+                                                       ["n", "s"])
+            if spec.symm_norm.rstd:
+                patterns[f"add_then_{spec.name}+rstd"] = _graph(
+                    nodes + [_rstd("s")], ["x", "res", *operands[1:]], ["n", "s", "t"])
         for step in spec.symm_steps:
             if step.side == "vector":
                 patterns[step.name] = _graph([ar, OpNode(spec.name, ("y", "b"), ("o",))],
@@ -56,6 +69,13 @@ def build(pattern) -> SubGraph:
     if pattern == "add_rms_norm":
         return _graph([ar, OpNode("add_rms_norm", ("y", "res", "w"), ("n", "r"), {"eps": 1e-5})],
                       ["x", "res", "w"], ["n", "r"])
+    if pattern == TRAIN:  # a training forward's site as the compile pass gives it (after
+        # attention it also keeps the all_reduce's value)
+        return _graph([ar, OpNode("add_rms_norm", ("y", "res", "w"), ("n", "r"), {"eps": 1e-5}),
+                       _rstd("r")], ["x", "res", "w"], ["y", "n", "r", "t"])
+    if pattern == "rms_norm+rstd":  # no residual: the rsqrt of the reduced value itself
+        return _graph([ar, OpNode("rms_norm", ("y", "w"), ("n",), {"eps": 1e-5}), _rstd("y")],
+                      ["x", "w"], ["n", "t"])
     if pattern == "relu_scale":
         return _graph([ar, OpNode("relu", ("y",), ("a",)),
                        OpNode("scale", ("a",), ("b",), {"scale": 0.37})], ["x"], ["b"])
@@ -78,8 +98,8 @@ def build(pattern) -> SubGraph:
     raise ValueError(pattern)
 
 
-PATTERNS = ("plain", "add_rms_norm", "relu_scale", "swiglu", "swiglu_up", "prologue_gelu",
-            "prologue_norm") + tuple(SPEC_PATTERNS)
+PATTERNS = ("plain", "add_rms_norm", TRAIN, "rms_norm+rstd", "relu_scale", "swiglu",
+            "swiglu_up", "prologue_gelu", "prologue_norm") + tuple(SPEC_PATTERNS)
 
 
 def full_span(graph: SubGraph) -> FusedSpan:
@@ -128,6 +148,30 @@ def reference(graph, inputs_per_rank: list, rank: int) -> dict:
     env[anchor.outputs[0]] = total
     run_nodes(graph, site.epilogue, env, CPU)
     return {n: env[n] for n in graph.output_names}
+
+
+def rstd_error(graph, got: dict, values: dict) -> float:
+    """Largest relative error of the rms_rstd outputs against the fp64 rsqrt(mean(v^2) + eps) of
+    the fp32 row v the norm read, where the outputs show v exactly: written in fp32, or (the
+    training site) add_rms_norm's value written beside it, v being that plus the residual in
+    fp32 as the kernels add it. A value rms_rstd's own reference would take from the rounded
+    sum instead; this is tighter than `reference` for bf16. 0.0 where no v is shown."""
+    producers = {out: node for node in graph.nodes for out in node.outputs}
+    worst = 0.0
+    for node in (n for n in graph.nodes if n.op_type == RSTD):
+        (name,) = node.inputs
+        norm = producers.get(name)
+        if name in got and got[name].dtype == torch.float32:
+            v = got[name].cpu()
+        elif norm is not None and norm.op_type == "add_rms_norm" and norm.inputs[0] in got:
+            v = got[norm.inputs[0]].cpu().float() + values[norm.inputs[1]].cpu().float()
+        else:
+            continue
+        want = torch.rsqrt(v.double().pow(2).mean(-1, keepdim=True) + node.attr("eps"))
+        have = got[node.outputs[0]].cpu()
+        assert have.dtype == torch.float32 and have.shape == want.shape, (have.dtype, have.shape)
+        worst = max(worst, float(((have.double() - want).abs() / want).max()))
+    return worst
 
 
 def digest(values: dict) -> str:

@@ -22,7 +22,8 @@ from infini_dist.kernels.symm_device import DEFAULT_TUNING
 from infini_dist.scheduler.backends.symm import plan_span, tuning_of
 from infini_dist.scheduler.choices import RunContext, algorithms_for
 from multirank import SAFE_GPU_ENV, run_ranks
-from symm_cases import build, digest, full_span, make_inputs, max_error, meta_of, reference
+from symm_cases import (RSTD_TOLERANCE, TRAIN, build, digest, full_span, make_inputs,
+                        max_error, meta_of, reference, rstd_error)
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -46,6 +47,8 @@ def _standard_cases(name: str) -> list:
     cases = [(name, pattern, (3, 40), F32) for pattern in PATTERNS]
     return cases + [(name, "add_rms_norm", (5, 37), F32),   # row not a multiple of the vector
                     (name, "add_rms_norm", (130, 8), F32),  # more rows than programs
+                    (name, TRAIN, (130, 8), F32),           # an rsqrt per row of each program
+                    (name, TRAIN, (2, 64), BF16),
                     (name, "relu_scale", (3, 333), F32),    # numel not a multiple of anything
                     (name, "plain", (2, 4100), F32),        # several chunks
                     (name, "add_rms_norm", (2, 64), BF16),
@@ -122,6 +125,8 @@ def interpreted_rank(rank, world_size, storages, cases, all_polled):
             else:
                 got = algorithm.launch(plan, inputs[rank], buffer, tuning)
             error = max_error(got, reference(graph, inputs, rank))
+            # The rsqrt is the one the norm used, to fp32 accuracy (the reference is looser).
+            assert rstd_error(graph, got, inputs[rank]) <= RSTD_TOLERANCE, (name, pattern, shape)
             if all_polled:
                 dist.barrier()
                 word, bits = EMPTY_PATTERN[key[1]]

@@ -14,9 +14,9 @@ from infini_dist.kernels import symm_chain
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.scheduler.backends.symm import plan_span, tuning_of
-from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta
+from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, generate_choices
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
-from symm_cases import PATTERNS, build, full_span, meta_of
+from symm_cases import PATTERNS, RSTD, TRAIN, build, full_span, meta_of
 from symm_runs import algorithm_of, run_gpu_worker, run_interpreted, symm_algorithms
 
 CUDA4 = RunContext(None, 4, 1, torch.device("cuda", 1))
@@ -53,6 +53,53 @@ def test_plan_of_add_rms_norm_names_both_outputs():
     assert plan.residual == "res" and [op.code for op in plan.prologue] == [
         symm_chain.CODES["relu"]]
     assert [op.code for op in plan.epilogue] == [symm_chain.CODES["gelu"]]
+
+
+def test_training_site_gets_every_symm_kernel_at_full_depth():
+    """A training forward's site: add + RMSNorm with its rsqrt (rms_rstd) and the all_reduce's
+    own value read too. Every symmetric-memory kernel is a choice at every epilogue depth, the
+    full one (all written by one launch) included; so is the rsqrt of an rms_norm alone."""
+    for pattern in (TRAIN, "rms_norm+rstd", "add_then_gemma_rms_norm+rstd"):
+        graph = build(pattern)
+        site = find_sites(graph)[0]
+        choices = generate_choices(graph, site, meta_of(graph, (16, 64), torch.bfloat16), CUDA4,
+                                   fusion_types=("epilogue",), max_depth=5, recursive=True)
+        full = {c.algorithm.name for c in choices
+                if c.span is not None and c.span.epilogue == site.epilogue}
+        assert full >= set(symm_algorithms()), (pattern, sorted(c.name for c in choices))
+        plan = plan_span(full_span(graph), meta_of(graph, (16, 64), torch.bfloat16), CUDA4)
+        assert plan.rstd == "t" and set(plan.outputs) == set(graph.output_names)
+    assert (plan.reduced, plan_span(full_span(build(TRAIN)), meta_of(
+        build(TRAIN), (4, 64), torch.float32), CUDA4).reduced) == (None, "y")
+
+
+def test_plan_writes_only_the_rsqrt_the_norm_uses():
+    ar = OpNode("all_reduce", ("x",), ("y",))
+    norm = OpNode("add_rms_norm", ("y", "res", "w"), ("n", "r"), {"eps": 1e-5})
+
+    def rstd(value, eps=1e-5):
+        return OpNode(RSTD, (value,), ("t",), {"eps": eps})
+    meta = dict(_meta(), t=TensorMeta((4, 1), torch.float32, torch.device("cuda"), True))
+    cases = {
+        "another eps": ([ar, norm, rstd("r", 1e-6)], ["n", "t"]),
+        "of the reduced value, not the norm's input": ([ar, norm, rstd("y")], ["n", "t"]),
+        "after a LayerNorm": ([ar, OpNode("layer_norm", ("y", "w", "b"), ("n",)), rstd("y")],
+                              ["n", "t"]),
+        "with no norm": ([ar, rstd("y")], ["t"]),
+    }
+    for why, (nodes, outputs) in cases.items():
+        _, span = _span(nodes, ["x", "res", "w", "b"], outputs)
+        assert plan_span(span, dict(meta, b=meta["w"]), CUDA4) is None, why
+    _, span = _span([ar, norm, rstd("r")], ["x", "res", "w"], ["n", "t"])
+    assert plan_span(span, meta, CUDA4).writes == ("out", "rstd")
+    with pytest.raises(ValueError):  # the kernels refuse it too
+        symm_chain.fused_arguments(torch.ones(4, 8), _Buffer(), torch.ones(4, 8),
+                                   norm=symm_chain.NORM_CODES["layer_norm"], row_len=8,
+                                   rstd=torch.ones(4, 1))
+
+
+class _Buffer:
+    world_size = 2
 
 
 def _span(nodes, inputs, outputs):
@@ -149,10 +196,10 @@ def test_launch_knobs_reach_every_kernel_launch():
                                 for _ in range(4)], 1)
     tensors = {name: torch.ones(meta.shape) for name, meta in meta_of(graph, shape,
                                                                         torch.float32).items()}
-    x, out, pre = tensors[plan.source], torch.empty(shape), torch.empty(shape)
+    x, written = tensors[plan.source], plan.allocate(torch.device("cpu"))
     for name, algorithm in sorted(symm_algorithms().items()):
         (_, _, default, default_kw), (_, _, tuned, tuned_kw) = (
-            algorithm.launch_arguments(plan, x, tensors, buffer, out, pre, t)
+            algorithm.launch_arguments(plan, x, tensors, buffer, written, t)
             for t in (DEFAULT_TUNING, tuning))
         ints = [[a for a in args if type(a) is int] for args in (default, tuned)]
         assert 300 * 10 ** 9 in ints[0] and 7_500_000_000 in ints[1], name

@@ -4,6 +4,7 @@ plain callable, also in rounds and groups of items, and on GPUs (tests/symm_runs
 import pytest
 
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
+from symm_cases import TRAIN
 from symm_runs import run_cases, run_on_gpus, run_standard
 
 
@@ -26,7 +27,8 @@ def test_interpreted_in_groups_and_rounds(monkeypatch):
     monkeypatch.setenv("INFINI_DIST_SYMM_GROUP_ITEMS", "4")
     monkeypatch.setenv("INFINI_DIST_SYMM_ROUND_ITEMS", "3")
     run_cases(monkeypatch, two_shot_all_reduce, 2, [
-        ("add_rms_norm", (300, 8)), ("prologue_gelu", (2, 4100)), ("add_then_rms_norm", (5, 37))])
+        ("add_rms_norm", (300, 8)), ("prologue_gelu", (2, 4100)), ("add_then_rms_norm", (5, 37)),
+        (TRAIN, (300, 8))])  # an rsqrt per row of a group
 
 
 @pytest.mark.multigpu

@@ -1,10 +1,12 @@
 """add_rms_norm: (rms_norm(x + residual) * weight, x + residual); the norm reads the fp32 sum,
 not its rounded copy. The compile pass forms it from an add followed by an rms_norm."""
 
+from dataclasses import replace
+
 import torch
 
 from infini_dist.kernels.epilogue import rms_norm as rms
-from infini_dist.kernels.epilogue.spec import OpSpec, SymmNorm
+from infini_dist.kernels.epilogue.spec import OpSpec
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-6):
@@ -29,4 +31,4 @@ def _nt_code(step, args, out):
 SPEC = OpSpec(
     "add_rms_norm", "rowwise", 3, add_rms_norm, native=native_add_rms_norm, num_outputs=2,
     attrs=(("eps", 1e-6),), vectors=(2,), nt_code=_nt_code, nt_helpers=rms.SPEC.nt_helpers,
-    symm_norm=SymmNorm(rms.SYMM_CODE, ("value", "residual", "weight")))
+    symm_norm=replace(rms.SYMM_NORM, roles=("value", "residual", "weight")))

@@ -6,8 +6,10 @@ import torch.nn.functional as F
 from infini_dist.kernels.epilogue.spec import (EPS, OpSpec, Spelling, SymmNorm,
                                                check_norm_input, compute_dtype, same_dtype)
 
-# The norm slot's code, shared with add_rms_norm (which adds the residual first).
-SYMM_CODE = "y = y * tl.math.rsqrt(tl.sum(y * y, axis=-1, keep_dims=True) / ROW_LEN + eps) * weight"
+# The norm slot's rsqrt and code, shared with add_rms_norm (which adds the residual first) and
+# gemma_rms_norm (the same rsqrt, another weight).
+SYMM_RSTD = "tl.math.rsqrt(tl.sum(y * y, axis=-1, keep_dims=True) / ROW_LEN + eps)"
+SYMM_NORM = SymmNorm("y = y * rstd * weight", ("value", "weight"), SYMM_RSTD)
 
 
 def rms(x, weight, eps):
@@ -53,4 +55,4 @@ SPEC = OpSpec(
                  captures=(("eps", EPS),), exposable=RSTD)),
     nt_code=lambda step, args, out: nt_normalize(step, args, out[0], args[1]),
     nt_helpers=("rms_norm:rms_normalize_fp32",),
-    symm_norm=SymmNorm(SYMM_CODE, ("value", "weight")))
+    symm_norm=SYMM_NORM)

@@ -10,7 +10,9 @@ code of an op is therefore source text, spliced into the one generated kernel of
   an expression of `x` (the fp32 chain value), `scalar` and `side` (the fp32 side operand).
 - `symm_norm`: the op in the norm slot of the symmetric-memory kernels (symm_chain.finish_item):
   statements turning `y` (a masked fp32 row, zero past its end) into the normalised `y`, with
-  `mask`, `weight`, `bias` (fp32 rows), `eps` and `ROW_LEN` in scope.
+  `mask`, `weight`, `bias` (fp32 rows), `eps` and `ROW_LEN` in scope; for an RMSNorm also the
+  expression of its per-row rsqrt, which the statements read as `rstd` and the kernels can write
+  as the rms_rstd output (training keeps it for backward).
 """
 
 from __future__ import annotations
@@ -56,9 +58,13 @@ class SymmStep:
 @dataclass(frozen=True)
 class SymmNorm:
     """The op in the norm slot. `roles` names each operand: "value" (the chain value), "weight",
-    "bias", "residual" (added in fp32 before the norm; value and residual commute)."""
+    "bias", "residual" (added in fp32 before the norm; value and residual commute). `rstd`: an
+    expression of `y` for rsqrt(mean(y^2) + eps) per row (keep_dims), bound to `rstd` before
+    `code` runs, so the rms_rstd output is the very value the norm multiplied by; None where the
+    norm has no such factor (LayerNorm's is of the centred row: rms_rstd is not it)."""
     code: str
     roles: tuple[str, ...]
+    rstd: str | None = None
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,12 @@
 A span is supported when it is one sum all_reduce of a CUDA float tensor with
   - a prologue: a chain (up to 3) of elementwise ops on the all_reduce input;
   - an epilogue: a chain (up to 3) of elementwise ops, optionally ended by a norm over the last
-    dimension (any op whose spec has a `symm_norm`, kernels/epilogue);
-and nothing else of the span is read outside it except the final value and the value the norm
-normalises (the new residual). Every depth, 0 included (a plain symmetric-memory all-reduce).
+    dimension (any op whose spec has a `symm_norm`, kernels/epilogue), itself optionally
+    followed by the rms_rstd of the value it normalises (an RMSNorm's rsqrt, which a training
+    forward saves for backward);
+and nothing else of the span is read outside it except the final value, the value the norm
+normalises (the new residual), that rsqrt and the all_reduce's own value (a training graph may
+keep it too). Every depth, 0 included (a plain symmetric-memory all-reduce).
 
 Rendezvous is collective, so it happens lazily in a runner's first call, never in `compile`: the
 engine compiles choices in a thread pool (no order across ranks), but runs each choice's first
@@ -35,7 +38,9 @@ from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.epilogue import SPECS
-from infini_dist.kernels.symm_chain import MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES, encode_node
+from infini_dist.kernels.epilogue.rms_rstd import SPEC as RSTD_SPEC
+from infini_dist.kernels.symm_chain import (MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES, RSTD_NORMS,
+                                            encode_node)
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
@@ -65,7 +70,9 @@ class SpanPlan:
     eps: float
     out: str                      # the value the kernel's `out` holds
     pre: str | None               # the value its `pre` holds (the norm's input), if live
-    outputs: tuple                # the span's live outputs, each `out` or `pre`
+    rstd: str | None              # the value its `rstd` holds (rms_rstd of `pre`), if live
+    reduced: str | None           # the all_reduce's value, if live and no other output holds it
+    outputs: tuple                # the span's live outputs, each one of the above
     shape: tuple
     dtype: torch.dtype
     row_len: int | None
@@ -85,8 +92,20 @@ class SpanPlan:
         names = (self.source,) + self.sides + (self.weight, self.bias, self.residual)
         return tuple(dict.fromkeys(n for n in names if n))
 
-    def results(self, out, pre) -> dict:
-        return {name: out if name == self.out else pre for name in self.outputs}
+    @property
+    def writes(self) -> tuple:
+        """The kernel's outputs this plan has it write, by their fused_arguments keywords."""
+        return ("out",) + tuple(k for k in ("pre", "rstd", "reduced") if getattr(self, k))
+
+    def allocate(self, device) -> dict:
+        """Fresh tensors for `writes`: the plan's shape and dtype; rstd fp32, one per row."""
+        return {k: torch.empty(self.shape[:-1] + (1,), dtype=torch.float32, device=device)
+                if k == "rstd" else torch.empty(self.shape, dtype=self.dtype, device=device)
+                for k in self.writes}
+
+    def results(self, written: dict) -> dict:
+        slot = {getattr(self, k): k for k in self.writes}
+        return {name: written[slot[name]] for name in self.outputs}
 
 
 def tuning_of(settings) -> SymmTuning:
@@ -149,6 +168,9 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
         return None
 
     epilogue_nodes = span.nodes(span.epilogue)
+    rstd_node = None
+    if epilogue_nodes and epilogue_nodes[-1].op_type == RSTD_SPEC.name:
+        rstd_node = epilogue_nodes.pop()
     norm_node = None
     if epilogue_nodes and op_registry.get_op(epilogue_nodes[-1].op_type).kind == "rowwise":
         norm_node = epilogue_nodes[-1]
@@ -171,13 +193,27 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
         eps = norm_node.attr("eps", dict(SPECS[norm_node.op_type].attrs)["eps"])
         if isinstance(eps, bool) or not isinstance(eps, (int, float)):
             return None
+    rstd = None
+    if rstd_node is not None:
+        if not _rstd_of(rstd_node, norm, pre, eps):
+            return None
+        rstd = rstd_node.outputs[0]
     outputs = tuple(span.outputs)
-    if not set(outputs) <= {out, pre} - {None}:
+    reduced = anchor.outputs[0] if anchor.outputs[0] not in (out, pre) else None
+    if not set(outputs) <= {out, pre, rstd, reduced} - {None}:
         return None  # an intermediate value is read elsewhere; we do not write it
     return SpanPlan(source, prologue, epilogue, norm, operands.get("weight"),
                     operands.get("bias"), operands.get("residual"), float(eps), out,
-                    pre if pre in outputs else None, outputs, tuple(x.shape), x.dtype,
+                    *(name if name in outputs else None for name in (pre, rstd, reduced)),
+                    outputs, tuple(x.shape), x.dtype,
                     x.shape[-1] if norm != NO_NORM.value else None)
+
+
+def _rstd_of(node, norm: int, pre, eps) -> bool:
+    """Whether rms_rstd `node` is the rsqrt the norm multiplies by: a norm that has one, of the
+    value it normalises, with its eps (so the kernel's value is the one rms_rstd means)."""
+    rstd_eps = node.attr("eps", dict(RSTD_SPEC.attrs)["eps"])
+    return norm in RSTD_NORMS and tuple(node.inputs) == (pre,) and rstd_eps == eps
 
 
 def _norm_operands(node, current, x, meta, external) -> dict | None:
@@ -215,10 +251,10 @@ class PreparedLaunch:
         # Stand-ins, each its own object, so FastLaunch can tell which argument is which
         # per-call tensor (x also fills the unused pointer slots).
         inputs = {name: env[name].view(env[name].shape) for name in self.names}
-        out, pre = object(), object() if plan.pre else None
+        written = {k: object() for k in plan.writes}
         kernel, grid, args, kwargs = algorithm.launch_arguments(
-            plan, inputs[plan.source], inputs, buffer, out, pre, tuning)
-        per_call = [inputs[name] for name in self.names] + [out] + ([pre] if plan.pre else [])
+            plan, inputs[plan.source], inputs, buffer, written, tuning)
+        per_call = [inputs[name] for name in self.names] + list(written.values())
         self.launch = FastLaunch(kernel, grid, args, kwargs, per_call, enabled=fast)
         self.enabled = fast
 
@@ -230,14 +266,9 @@ class PreparedLaunch:
         for tensor, shape in zip(tensors, self.shapes):
             if tensor.shape != shape or not tensor.is_contiguous():
                 return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
-        out = torch.empty_like(x)
-        if self.plan.pre:
-            pre = torch.empty_like(x)
-            self.launch(*tensors, out, pre)
-        else:
-            pre = None
-            self.launch(*tensors, out)
-        return self.plan.results(out, pre)
+        written = self.plan.allocate(x.device)
+        self.launch(*tensors, *written.values())
+        return self.plan.results(written)
 
 
 class SymmAllReduce(Algorithm):
@@ -259,27 +290,27 @@ class SymmAllReduce(Algorithm):
         plan = plan_span(span, meta, ctx)
         return plan is not None and plan.numel * plan.dtype.itemsize <= self.max_bytes
 
-    def launch_arguments(self, plan: SpanPlan, x, tensors: dict, buffer, out, pre,
+    def launch_arguments(self, plan: SpanPlan, x, tensors: dict, buffer, written: dict,
                          tuning: SymmTuning = DEFAULT_TUNING):
-        """(kernel, grid, args, kwargs) of the launch for `plan`, `tensors` by input name."""
+        """(kernel, grid, args, kwargs) of the launch for `plan`, `tensors` by input name,
+        `written` the outputs by plan.writes keyword."""
         return self.kernel.launch(
-            x, buffer, out, prologue=plan.prologue, epilogue=plan.epilogue, sides=tensors,
+            x, buffer, prologue=plan.prologue, epilogue=plan.epilogue, sides=tensors,
             norm=plan.norm, weight=tensors[plan.weight] if plan.weight else None,
             bias=tensors[plan.bias] if plan.bias else None,
             residual=tensors[plan.residual] if plan.residual else None, eps=plan.eps,
-            pre=pre, row_len=plan.row_len, tuning=tuning)
+            row_len=plan.row_len, tuning=tuning, **written)
 
     def launch(self, plan: SpanPlan, env: dict, buffer,
                tuning: SymmTuning = DEFAULT_TUNING) -> dict:
         """One launch through Triton's normal path; inputs of any layout."""
         tensors = {name: env[name].contiguous() for name in plan.tensor_inputs}
         x = tensors[plan.source]
-        out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
-        pre = torch.empty_like(out) if plan.pre else None
-        kernel, grid, args, kwargs = self.launch_arguments(plan, x, tensors, buffer, out, pre,
+        written = plan.allocate(x.device)
+        kernel, grid, args, kwargs = self.launch_arguments(plan, x, tensors, buffer, written,
                                                            tuning)
         kernel[grid](*args, **kwargs)
-        return plan.results(out, pre)
+        return plan.results(written)
 
     def compile(self, span, meta, ctx):
         plan = plan_span(span, meta, ctx)
