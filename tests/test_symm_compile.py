@@ -2,8 +2,9 @@
 (sm_90, down to a cubin) under a stand-in driver, launching nothing. The interpreter that checks
 the kernels' numerics in CI compiles nothing, and device code that only the compiler rejects
 reached the GPU once that way (generated jit functions without a __module__ failed every
-kernel). Every spec'd chain step and norm is compiled into some kernel, and every kernel with
-a full prologue, epilogue and norm.
+kernel). Every spec'd chain step and norm is compiled into some kernel, every kernel with a full
+prologue, epilogue and norm, and every kernel as the engine launches a training forward site
+(the norm's rsqrt and the reduced value written too).
 """
 
 from __future__ import annotations
@@ -58,6 +59,24 @@ def compile_kernel(name, prologue, epilogue, norm, residual, dtype):
     return int(compiled.n_regs) if hasattr(compiled, "n_regs") and compiled.n_regs else 0
 
 
+def compile_planned(name, pattern, dtype):
+    """In the compile worker: the engine adapter's launch of symm_cases `pattern` (a site the
+    plain callables cannot express, e.g. the training forward's extra outputs), compiled."""
+    from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
+    from launch_stub import symm_plan
+    from symm_cases import make_inputs
+    shape = (4, 256)
+    graph, plan = symm_plan(name, pattern, shape, dtype, WORLD, 0)
+    assert plan is not None, (name, pattern)
+    tensors = {k: v.contiguous() for k, v in make_inputs(graph, shape, dtype, 0, 0).items()}
+    buffer = from_peer_tensors([torch.zeros(header_bytes(WORLD) + (1 << 20), dtype=torch.uint8)
+                                for _ in range(WORLD)], 0)
+    algorithm = symm_algorithms()[name]
+    jit, grid, args, kwargs = algorithm.launch_arguments(
+        plan, tensors[plan.source], tensors, buffer, plan.allocate(torch.device("cpu")))
+    jit.warmup(*args, grid=grid, **kwargs)
+
+
 def _cases():
     chains, norms = _steps_and_norms()
     names = sorted(symm_algorithms())
@@ -88,6 +107,17 @@ def test_every_kernel_step_and_norm_compiles_for_sm90(tmp_path):
                 while cause.__cause__ is not None:
                     cause = cause.__cause__
                 failures.append(f"{case[:5]}: {type(cause).__name__}: {cause}")
+        from symm_cases import TRAIN
+        planned = [(name, pattern, torch.bfloat16) for name in sorted(symm_algorithms())
+                   for pattern in (TRAIN, "rms_norm+rstd")]
+        for case in planned:
+            try:
+                pool.submit(compile_planned, *case).result(timeout=600)
+            except Exception as error:
+                cause = error
+                while cause.__cause__ is not None:
+                    cause = cause.__cause__
+                failures.append(f"{case}: {type(cause).__name__}: {cause}")
     assert not failures, "\n".join(failures)
     # the cases cover every registered kernel, chain step and norm
     chains, norms = _steps_and_norms()
