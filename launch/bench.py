@@ -343,6 +343,10 @@ def main(argv=None):
     timer = Timer(device, args.trials, args.replays)
     flashinfer = open_flashinfer(None, max(tokens), args.hidden, getattr(torch, args.dtype),
                                  device)
+    # One untimed case first, so that the first timed count finds the GPU, the process and the
+    # engine as warm (clocks, allocator, first-launch paths) as every later count does: the first
+    # count once read 7.4 us in this sweep against 4.5 us for the same kernel elsewhere.
+    run_case(args, patterns[0], tokens[0], device, None, timer, flashinfer)
     rows, cases = [], {}
     for pattern in patterns:
         for t in tokens:
