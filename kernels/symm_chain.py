@@ -36,6 +36,12 @@ CODES = {step.name: code for code, (_, step) in enumerate(_STEPS, start=1)}
 STEPS = {step.name: step for _, step in _STEPS}
 _NORMS = [spec for spec in SPECS.values() if spec.symm_norm is not None]
 NORM_CODES = {spec.name: code for code, spec in enumerate(_NORMS, start=1)}
+# QUANT_CODES[op name]: the output quantization (finish_item's last step), NO_QUANT for none.
+NO_QUANT = tl.constexpr(0)
+_QUANTS = [spec for spec in SPECS.values() if spec.symm_quant is not None]
+QUANT_CODES = {spec.name: code for code, spec in enumerate(_QUANTS, start=1)}
+ROW_SCALE_QUANTS = frozenset(QUANT_CODES[spec.name] for spec in _QUANTS
+                             if spec.symm_quant.row_scale)
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,9 @@ _LOADS = {"row": "side_ptr + index",
 
 
 def dispatch_source() -> str:
-    """`apply_op` (a chain step by op code) and `apply_norm` (the norm slot by norm code), with
-    one constexpr branch per spec'd step and norm."""
+    """`apply_op` (a chain step by op code), `apply_norm` (the norm slot by norm code) and
+    `apply_quant` (the output quantization by quant code), with one constexpr branch per spec'd
+    step, norm and quantizer."""
     lines = ["@triton.jit",
              "def apply_op(x, OP: tl.constexpr, scalar, side_ptr, index, mask, "
              "DTYPE: tl.constexpr):",
@@ -129,7 +136,18 @@ def dispatch_source() -> str:
             lines.append("        bias = tl.load(bias_ptr + column, mask=mask, "
                          "other=0.0).to(tl.float32)")
         lines += [f"        {line}" for line in spec.symm_norm.code.splitlines()]
-    lines.append("    return y")
+    lines += ["    return y", "", "",
+              "@triton.jit",
+              "def apply_quant(y, index, column, mask, QUANT: tl.constexpr, scale, scales_ptr, "
+              "ROW_LEN: tl.constexpr):",
+              "    q = y"]
+    for spec in _QUANTS:
+        lines.append(f"    if QUANT == {QUANT_CODES[spec.name]}:  # {spec.name}")
+        lines += [f"        {line}" for line in spec.symm_quant.code.splitlines()]
+        if spec.symm_quant.row_scale:  # one value per row: the row's first lane stores it
+            lines.append("        tl.store(scales_ptr + index // ROW_LEN, row_scale, "
+                         "mask=mask & (column == 0))")
+    lines.append("    return q")
     return "\n".join(lines) + "\n"
 
 
@@ -143,10 +161,10 @@ def _dispatch():
     namespace = {"__name__": __name__, "triton": triton, "tl": tl, "round_to": round_to,
                  "sigmoid_fp32": sigmoid_fp32}
     exec(compile(source, filename, "exec"), namespace)
-    return namespace["apply_op"], namespace["apply_norm"]
+    return namespace["apply_op"], namespace["apply_norm"], namespace["apply_quant"]
 
 
-apply_op, apply_norm = _dispatch()
+apply_op, apply_norm, apply_quant = _dispatch()
 
 
 @triton.jit
@@ -161,23 +179,30 @@ def apply_chain(x, index, mask, OP0: tl.constexpr, scalar0, side0, OP1: tl.const
 def finish_item(y, index, column, mask, out_ptr, pre_ptr, weight_ptr, bias_ptr, residual_ptr, eps,
                 E_OP0: tl.constexpr, e_scalar0, e_side0, E_OP1: tl.constexpr, e_scalar1, e_side1,
                 E_OP2: tl.constexpr, e_scalar2, e_side2, NORM: tl.constexpr,
-                RESIDUAL: tl.constexpr, WRITE_PRE: tl.constexpr, ROW_LEN: tl.constexpr):
+                RESIDUAL: tl.constexpr, WRITE_PRE: tl.constexpr, ROW_LEN: tl.constexpr,
+                QUANT: tl.constexpr, quant_scale, scales_ptr):
     """Epilogue of one item (a row when NORM != NO_NORM) from its reduced value `y` (fp32, already
-    rounded to the output dtype like the all_reduce output), then its stores. RESIDUAL: the
-    residual is added in fp32 before the norm, and that sum is the value `pre` stores. `y` may
-    also be a [group, row] tile of several items; `column` then is [1, row]."""
+    rounded to the input dtype like the all_reduce output), then its stores. RESIDUAL: the
+    residual is added in fp32 before the norm, and that sum is the value `pre` stores. QUANT:
+    the value is quantized last (`out` holds the quantizer's dtype, e.g. fp8, while `pre` keeps
+    the input dtype; a per-row scale goes to `scales_ptr`). `y` may also be a [group, row] tile
+    of several items; `column` then is [1, row]."""
+    # pre_ptr is x itself when `pre` is not stored: the input dtype, which `out` lacks when
+    # quantized, and every unfused op before the quantizer rounds to.
+    dtype = pre_ptr.dtype.element_ty
     y = apply_chain(y, index, mask, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
-                    E_OP2, e_scalar2, e_side2, out_ptr.dtype.element_ty)
-    if NORM == NO_NORM:
-        tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+                    E_OP2, e_scalar2, e_side2, dtype)
+    if NORM != NO_NORM:
         if RESIDUAL:
             y = y + tl.load(residual_ptr + index, mask=mask, other=0.0).to(tl.float32)
         if WRITE_PRE:
-            tl.store(pre_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(pre_ptr + index, y.to(dtype), mask=mask)
         y = apply_norm(tl.where(mask, y, 0.0), column, mask, weight_ptr, bias_ptr, eps, NORM,
                        ROW_LEN)
-        tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT != NO_QUANT:
+        y = apply_quant(tl.where(mask, round_to(y, dtype), 0.0), index, column, mask, QUANT,
+                        quant_scale, scales_ptr, ROW_LEN)
+    tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- host side: how a tensor is cut into items and programs --------------------------------------
@@ -216,15 +241,21 @@ def launch_layout(numel: int, row_len: int | None, norm: int, world_size: int) -
 
 
 def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
-                    weight=None, bias=None, residual=None, eps=1e-6, pre=None, row_len=None):
+                    weight=None, bias=None, residual=None, eps=1e-6, pre=None, row_len=None,
+                    quant=0, quant_scale=0.0, scales=None):
     """What every fused symmetric-memory launch on `buffer` (symm_buffers.SymmBuffer) shares,
     as (layout, leading args, kwargs). `prologue` / `epilogue` are ChainOps whose side tensors
     are looked up in `sides`; `norm` is a norm code, with `weight`, `bias` (layer_norm) and
     `residual` (added before the norm) over rows of `row_len`. The kernel writes `out` and, if
     given, `pre` (the value the norm normalises, i.e. the new residual); x stands in for the
-    pointers a launch does not use.
+    pointers a launch does not use. `quant`: a quant code, quantizing `out` last (`quant_scale`:
+    its scalar; `scales`: the rows x 1 fp32 scales a per-row quantizer writes).
     Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
     bound once and reused with other tensors of the same shape (scheduler/backends/symm.PreparedLaunch)."""
+    if (quant in ROW_SCALE_QUANTS) != (scales is not None) or (
+            scales is not None and norm == NO_NORM.value):
+        raise ValueError("a per-row quantizer writes `scales` and needs a norm (its layout "
+                         "holds a whole row per item); others write none")
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
     p_values, p_codes = chain_arguments(prologue, sides, x)
     e_values, e_codes = chain_arguments(epilogue, sides, x)
@@ -232,9 +263,11 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     # epilogue's runtime part leads with its outputs and the norm's operands.
     outputs = (out, x if pre is None else pre, x if weight is None else weight,
                x if bias is None else bias, x if residual is None else residual, float(eps))
-    head = (x, p_values, outputs + e_values)
+    quantize = (float(quant_scale), x if scales is None else scales)
+    head = (x, p_values, outputs + e_values + quantize)
     kwargs = dict(
-        PROLOGUE=p_codes, EPILOGUE=e_codes + (norm, residual is not None, pre is not None),
+        PROLOGUE=p_codes,
+        EPILOGUE=e_codes + (norm, residual is not None, pre is not None, quant),
         ITEM=layout.item, BLOCK=layout.block, WORLD_SIZE=buffer.world_size,
         WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
     return layout, head, kwargs

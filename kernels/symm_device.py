@@ -9,9 +9,9 @@ composes, so that each kernel reads as signature, phases, launch.
   stores only, staggered so peers are not all hit at once.
 - The chains (`apply_prologue`, `finish`): the symm_chain ops, unpacked from the kernels' tuple
   arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE = (OP0, OP1, OP2) and
-  EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE) constexpr, `prologue` = (scalar, side) x 3
-  and `epilogue` = (out, pre, weight, bias, residual, eps) + (scalar, side) x 3
-  (symm_chain.fused_arguments).
+  EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE, QUANT) constexpr, `prologue` =
+  (scalar, side) x 3 and `epilogue` = (out, pre, weight, bias, residual, eps) + (scalar, side) x 3
+  + (quant scale, scales) (symm_chain.fused_arguments).
 - The two-shot phases over groups of items (`staging_targets`, `scatter_items`, `reduce_items`,
   `finish_items`), shared by the barrier, Lamport and polled-gather two-shot kernels.
 
@@ -86,7 +86,8 @@ def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constex
     """symm_chain.finish_item (the epilogue chain, the norm, the stores) of the reduced `y`."""
     finish_item(y, index, column, mask, epilogue[0], epilogue[1], epilogue[2], epilogue[3],
                 epilogue[4], epilogue[5], OPS[0], epilogue[6], epilogue[7], OPS[1], epilogue[8],
-                epilogue[9], OPS[2], epilogue[10], epilogue[11], OPS[3], OPS[4], OPS[5], ITEM)
+                epilogue[9], OPS[2], epilogue[10], epilogue[11], OPS[3], OPS[4], OPS[5], ITEM,
+                OPS[6], epilogue[12], epilogue[13])
 
 
 @triton.jit

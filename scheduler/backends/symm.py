@@ -5,9 +5,10 @@
 A span is supported when it is one sum all_reduce of a CUDA float tensor with
   - a prologue: a chain (up to 3) of elementwise ops on the all_reduce input;
   - an epilogue: a chain (up to 3) of elementwise ops, optionally ended by a norm over the last
-    dimension (any op whose spec has a `symm_norm`, kernels/epilogue);
-and nothing else of the span is read outside it except the final value and the value the norm
-normalises (the new residual). Every depth, 0 included (a plain symmetric-memory all-reduce).
+    dimension (any op whose spec has a `symm_norm`, kernels/epilogue), then optionally by an
+    output quantization (a `symm_quant`: FP8 static after either, per-token after a norm);
+and nothing else of the span is read outside it except the final value (the quantizer's
+outputs, where one ends it) and the value the norm normalises (the new residual). Every depth, 0 included (a plain symmetric-memory all-reduce).
 
 Rendezvous is collective, so it happens lazily in a runner's first call, never in `compile`: the
 engine compiles choices in a thread pool (no order across ranks), but runs each choice's first
@@ -35,7 +36,8 @@ from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.epilogue import SPECS
-from infini_dist.kernels.symm_chain import MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES, encode_node
+from infini_dist.kernels.symm_chain import (MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES, QUANT_CODES,
+                                            encode_node)
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
@@ -69,6 +71,10 @@ class SpanPlan:
     shape: tuple
     dtype: torch.dtype
     row_len: int | None
+    quant: int = 0                # quant code (symm_chain.QUANT_CODES), 0: none
+    quant_scale: float = 0.0
+    out_dtype: torch.dtype | None = None  # `out`'s dtype where quantized
+    scales: str | None = None     # the value a per-row quantizer's scales hold, if live
 
     @property
     def numel(self) -> int:
@@ -85,8 +91,17 @@ class SpanPlan:
         names = (self.source,) + self.sides + (self.weight, self.bias, self.residual)
         return tuple(dict.fromkeys(n for n in names if n))
 
-    def results(self, out, pre) -> dict:
-        return {name: out if name == self.out else pre for name in self.outputs}
+    def results(self, out, pre, scales=None) -> dict:
+        values = {self.out: out, self.pre: pre, self.scales: scales}
+        return {name: values[name] for name in self.outputs}
+
+    def new_outputs(self, x) -> tuple:
+        """Empty (out, pre, scales) for one call on `x`; None where not written."""
+        out = torch.empty(self.shape, dtype=self.out_dtype or self.dtype, device=x.device)
+        pre = torch.empty(self.shape, dtype=self.dtype, device=x.device) if self.pre else None
+        scales = (torch.empty(self.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
+                  if self.scales else None)
+        return out, pre, scales
 
 
 def tuning_of(settings) -> SymmTuning:
@@ -149,6 +164,10 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
         return None
 
     epilogue_nodes = span.nodes(span.epilogue)
+    quant_node = None
+    if epilogue_nodes and epilogue_nodes[-1].op_type in QUANT_CODES:
+        quant_node = epilogue_nodes[-1]
+        epilogue_nodes = epilogue_nodes[:-1]
     norm_node = None
     if epilogue_nodes and op_registry.get_op(epilogue_nodes[-1].op_type).kind == "rowwise":
         norm_node = epilogue_nodes[-1]
@@ -171,13 +190,40 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
         eps = norm_node.attr("eps", dict(SPECS[norm_node.op_type].attrs)["eps"])
         if isinstance(eps, bool) or not isinstance(eps, (int, float)):
             return None
+    quant = {}
+    if quant_node is not None:
+        quant = _quant(quant_node, out, norm)
+        if quant is None:
+            return None
+        out = quant_node.outputs[0]
+    scales = quant.get("scales")
     outputs = tuple(span.outputs)
-    if not set(outputs) <= {out, pre} - {None}:
+    if not set(outputs) <= {out, pre, scales} - {None}:
         return None  # an intermediate value is read elsewhere; we do not write it
     return SpanPlan(source, prologue, epilogue, norm, operands.get("weight"),
                     operands.get("bias"), operands.get("residual"), float(eps), out,
                     pre if pre in outputs else None, outputs, tuple(x.shape), x.dtype,
-                    x.shape[-1] if norm != NO_NORM.value else None)
+                    x.shape[-1] if norm != NO_NORM.value else None,
+                    quant.get("quant", 0), quant.get("quant_scale", 0.0),
+                    quant.get("out_dtype"), scales if scales in outputs else None)
+
+
+def _quant(node, current, norm) -> dict | None:
+    """The quantizer node's plan fields, or None where the kernels cannot run it: it reads the
+    final value; a per-row one needs the norm's layout (a whole row per item)."""
+    spec = SPECS[node.op_type]
+    if tuple(node.inputs) != (current,) or len(node.outputs) != spec.num_outputs:
+        return None
+    if spec.symm_quant.row_scale and norm == NO_NORM.value:
+        return None
+    scale = 0.0
+    if spec.symm_quant.scalar is not None:
+        scale = node.attr(spec.symm_quant.scalar, dict(spec.attrs)[spec.symm_quant.scalar])
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            return None
+    return {"quant": QUANT_CODES[node.op_type], "quant_scale": float(scale),
+            "out_dtype": spec.out_dtype,
+            "scales": node.outputs[1] if spec.symm_quant.row_scale else None}
 
 
 def _norm_operands(node, current, x, meta, external) -> dict | None:
@@ -215,10 +261,10 @@ class PreparedLaunch:
         # Stand-ins, each its own object, so FastLaunch can tell which argument is which
         # per-call tensor (x also fills the unused pointer slots).
         inputs = {name: env[name].view(env[name].shape) for name in self.names}
-        out, pre = object(), object() if plan.pre else None
+        written = (object(), object() if plan.pre else None, object() if plan.scales else None)
         kernel, grid, args, kwargs = algorithm.launch_arguments(
-            plan, inputs[plan.source], inputs, buffer, out, pre, tuning)
-        per_call = [inputs[name] for name in self.names] + [out] + ([pre] if plan.pre else [])
+            plan, inputs[plan.source], inputs, buffer, *written[:2], tuning, written[2])
+        per_call = [inputs[name] for name in self.names] + [t for t in written if t is not None]
         self.launch = FastLaunch(kernel, grid, args, kwargs, per_call, enabled=fast)
         self.enabled = fast
 
@@ -230,14 +276,9 @@ class PreparedLaunch:
         for tensor, shape in zip(tensors, self.shapes):
             if tensor.shape != shape or not tensor.is_contiguous():
                 return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
-        out = torch.empty_like(x)
-        if self.plan.pre:
-            pre = torch.empty_like(x)
-            self.launch(*tensors, out, pre)
-        else:
-            pre = None
-            self.launch(*tensors, out)
-        return self.plan.results(out, pre)
+        written = self.plan.new_outputs(x)
+        self.launch(*tensors, *(t for t in written if t is not None))
+        return self.plan.results(*written)
 
 
 class SymmAllReduce(Algorithm):
@@ -260,26 +301,26 @@ class SymmAllReduce(Algorithm):
         return plan is not None and plan.numel * plan.dtype.itemsize <= self.max_bytes
 
     def launch_arguments(self, plan: SpanPlan, x, tensors: dict, buffer, out, pre,
-                         tuning: SymmTuning = DEFAULT_TUNING):
+                         tuning: SymmTuning = DEFAULT_TUNING, scales=None):
         """(kernel, grid, args, kwargs) of the launch for `plan`, `tensors` by input name."""
         return self.kernel.launch(
             x, buffer, out, prologue=plan.prologue, epilogue=plan.epilogue, sides=tensors,
             norm=plan.norm, weight=tensors[plan.weight] if plan.weight else None,
             bias=tensors[plan.bias] if plan.bias else None,
             residual=tensors[plan.residual] if plan.residual else None, eps=plan.eps,
-            pre=pre, row_len=plan.row_len, tuning=tuning)
+            pre=pre, row_len=plan.row_len, quant=plan.quant, quant_scale=plan.quant_scale,
+            scales=scales, tuning=tuning)
 
     def launch(self, plan: SpanPlan, env: dict, buffer,
                tuning: SymmTuning = DEFAULT_TUNING) -> dict:
         """One launch through Triton's normal path; inputs of any layout."""
         tensors = {name: env[name].contiguous() for name in plan.tensor_inputs}
         x = tensors[plan.source]
-        out = torch.empty(plan.shape, dtype=plan.dtype, device=x.device)
-        pre = torch.empty_like(out) if plan.pre else None
-        kernel, grid, args, kwargs = self.launch_arguments(plan, x, tensors, buffer, out, pre,
-                                                           tuning)
+        written = plan.new_outputs(x)
+        kernel, grid, args, kwargs = self.launch_arguments(plan, x, tensors, buffer, *written[:2],
+                                                           tuning, written[2])
         kernel[grid](*args, **kwargs)
-        return plan.results(out, pre)
+        return plan.results(*written)
 
     def compile(self, span, meta, ctx):
         plan = plan_span(span, meta, ctx)
