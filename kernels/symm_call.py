@@ -16,7 +16,7 @@ from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.epilogue import SPECS
 from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.symm_chain import (CODES, MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES,
-                                            STEPS, ChainOp)
+                                            QUANT_CODES, STEPS, ChainOp)
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
 
 # The norms a weight may select: those of a value (add_rms_norm is rms_norm with `residual`).
@@ -75,7 +75,8 @@ class SymmKernel:
         return dtype.itemsize * 8 if self.lamport else 0
 
     def __call__(self, x, *, group=None, prologue=(), epilogue=(), weight=None, residual=None,
-                 eps=1e-6, buffer=None, norm="rms_norm", bias=None, tuning=DEFAULT_TUNING):
+                 eps=1e-6, buffer=None, norm="rms_norm", bias=None, tuning=DEFAULT_TUNING,
+                 quant=None):
         """`x` summed over `group` by this kernel, its prologue and epilogue fused. Collective:
         every rank of `group` calls it with the same shapes, dtypes and steps. Unfused torch
         equivalent (every step computes in fp32 and rounds to x.dtype):
@@ -86,7 +87,8 @@ class SymmKernel:
             for step in epilogue: y = step(y)
             if residual is not None:                 # returns (out, new residual)
                 residual = y + residual; return rms_norm(residual, weight, eps), residual
-            return rms_norm(y, weight, eps) if weight is not None else y
+            y = rms_norm(y, weight, eps) if weight is not None else y
+            return quantizer(y) if quant is not None else y   # then (q[, scales][, residual])
 
         `norm` names the norm a weight selects: any op of symm_chain.NORM_CODES, e.g.
         "gemma_rms_norm", or "layer_norm" (with `bias`); a residual is added before any of them.
@@ -95,17 +97,24 @@ class SymmKernel:
         fp32 in a fixed order, so every rank gets the same bits. `buffer`: a
         symm_buffers.SymmBuffer to use (default: this kernel's cached symmetric buffer of
         `group`, allocated on first use, which needs CUDA). `tuning`: a symm_device.SymmTuning,
-        the same on every rank."""
-        kernel, grid, args, kwargs, out, pre = self.bind(
+        the same on every rank.
+
+        `quant`: an output quantizer of symm_chain.QUANT_CODES, last: ("quant_fp8", scale)
+        (static per-tensor FP8: the output is float8_e4m3fn, the residual keeps x.dtype) or
+        ("quant_fp8_per_token",) (after a norm; its fp32 scales, rows x 1, follow the output)."""
+        kernel, grid, args, kwargs, results = self.bind(
             x, group=group, prologue=prologue, epilogue=epilogue, weight=weight,
-            residual=residual, eps=eps, buffer=buffer, norm=norm, bias=bias, tuning=tuning)
+            residual=residual, eps=eps, buffer=buffer, norm=norm, bias=bias, tuning=tuning,
+            quant=quant)
         kernel[grid](*args, **kwargs)
-        return (out, pre) if pre is not None else out
+        return results if len(results) > 1 else results[0]
 
     def bind(self, x, *, group=None, prologue=(), epilogue=(), weight=None, residual=None,
-             eps=1e-6, buffer=None, norm="rms_norm", bias=None, tuning=DEFAULT_TUNING):
-        """What a call launches, unlaunched: (kernel, grid, args, kwargs, out, pre), for the
-        same arguments (tests compile it with `kernel.warmup(*args, grid=grid, **kwargs)`)."""
+             eps=1e-6, buffer=None, norm="rms_norm", bias=None, tuning=DEFAULT_TUNING,
+             quant=None):
+        """What a call launches, unlaunched: (kernel, grid, args, kwargs, results), `results`
+        being what the call returns as a tuple (out[, scales][, pre]), for the same arguments
+        (tests compile it with `kernel.warmup(*args, grid=grid, **kwargs)`)."""
         if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() == 0 \
                 or x.numel() == 0:
             raise ValueError("x must be a non-empty float16, bfloat16 or float32 tensor")
@@ -113,7 +122,7 @@ class SymmKernel:
         sides = {}
         options = dict(prologue=chain_ops(prologue, x, sides),
                        epilogue=chain_ops(epilogue, x, sides), sides=sides, eps=float(eps),
-                       **_norm_options(x, norm, weight, bias, residual))
+                       **_norm_options(x, norm, weight, bias, residual), **_quant_options(quant))
         data_bytes = self.data_bytes(x.numel(), x.element_size(), _world_size(group, buffer),
                                      options.get("row_len"), options["norm"])
         if buffer is None:
@@ -122,11 +131,28 @@ class SymmKernel:
         elif buffer.data_bytes < data_bytes:
             raise ValueError(f"the buffer holds {buffer.data_bytes} bytes, this call needs "
                              f"{data_bytes}")
-        out = torch.empty_like(x)
+        quantizer = SPECS[quant[0]] if quant is not None else None
+        out = torch.empty_like(x, dtype=quantizer.out_dtype if quantizer else x.dtype)
         pre = torch.empty_like(x) if residual is not None else None
-        kernel, grid, args, kwargs = self.launch(x, buffer, out, pre=pre, tuning=tuning,
-                                                 **options)
-        return kernel, grid, args, kwargs, out, pre
+        scales = None
+        if quantizer is not None and quantizer.symm_quant.row_scale:
+            scales = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
+        kernel, grid, args, kwargs = self.launch(x, buffer, out, pre=pre, scales=scales,
+                                                 tuning=tuning, **options)
+        return kernel, grid, args, kwargs, tuple(t for t in (out, scales, pre) if t is not None)
+
+
+def _quant_options(quant) -> dict:
+    """The launch options of `quant`: None, or (name,) / (name, scalar) of a spec'd quantizer."""
+    if quant is None:
+        return {}
+    name, *operands = quant
+    if name not in QUANT_CODES:
+        raise ValueError(f"unknown quantizer {name!r}; known: {sorted(QUANT_CODES)}")
+    wanted = 1 if SPECS[name].symm_quant.scalar is not None else 0
+    if len(operands) != wanted:
+        raise ValueError(f"quantizer {name!r} takes {wanted} operand(s), got {len(operands)}")
+    return {"quant": QUANT_CODES[name], "quant_scale": float(operands[0]) if operands else 0.0}
 
 
 def _norm_options(x, norm, weight, bias, residual) -> dict:

@@ -38,6 +38,12 @@ _NORMS = [spec for spec in SPECS.values() if spec.symm_norm is not None]
 NORM_CODES = {spec.name: code for code, spec in enumerate(_NORMS, start=1)}
 # The norms that can also write their per-row rsqrt (the rms_rstd output).
 RSTD_NORMS = frozenset(NORM_CODES[spec.name] for spec in _NORMS if spec.symm_norm.rstd)
+# QUANT_CODES[op name]: the output quantization (finish_item's last step), NO_QUANT for none.
+NO_QUANT = tl.constexpr(0)
+_QUANTS = [spec for spec in SPECS.values() if spec.symm_quant is not None]
+QUANT_CODES = {spec.name: code for code, spec in enumerate(_QUANTS, start=1)}
+ROW_SCALE_QUANTS = frozenset(QUANT_CODES[spec.name] for spec in _QUANTS
+                             if spec.symm_quant.row_scale)
 
 
 @dataclass(frozen=True)
@@ -105,8 +111,9 @@ _LOADS = {"row": "side_ptr + index",
 
 
 def dispatch_source() -> str:
-    """`apply_op` (a chain step by op code) and `apply_norm` (the norm slot by norm code: the
-    normalised row and its rsqrt), with one constexpr branch per spec'd step and norm."""
+    """`apply_op` (a chain step by op code), `apply_norm` (the norm slot by norm code: the
+    normalised row and its rsqrt) and `apply_quant` (the output quantization by quant code),
+    with one constexpr branch per spec'd step, norm and quantizer."""
     lines = ["@triton.jit",
              "def apply_op(x, OP: tl.constexpr, scalar, side_ptr, index, mask, "
              "DTYPE: tl.constexpr):",
@@ -133,7 +140,18 @@ def dispatch_source() -> str:
         # A norm without an rsqrt returns y in its place: never stored (RSTD_NORMS).
         lines.append(f"        rstd = {spec.symm_norm.rstd or 'y'}")
         lines += [f"        {line}" for line in spec.symm_norm.code.splitlines()]
-    lines.append("    return y, rstd")
+    lines += ["    return y, rstd", "", "",
+              "@triton.jit",
+              "def apply_quant(y, index, column, mask, QUANT: tl.constexpr, scale, scales_ptr, "
+              "ROW_LEN: tl.constexpr):",
+              "    q = y"]
+    for spec in _QUANTS:
+        lines.append(f"    if QUANT == {QUANT_CODES[spec.name]}:  # {spec.name}")
+        lines += [f"        {line}" for line in spec.symm_quant.code.splitlines()]
+        if spec.symm_quant.row_scale:  # one value per row: the row's first lane stores it
+            lines.append("        tl.store(scales_ptr + index // ROW_LEN, row_scale, "
+                         "mask=mask & (column == 0))")
+    lines.append("    return q")
     return "\n".join(lines) + "\n"
 
 
@@ -147,10 +165,10 @@ def _dispatch():
     namespace = {"__name__": __name__, "triton": triton, "tl": tl, "round_to": round_to,
                  "sigmoid_fp32": sigmoid_fp32}
     exec(compile(source, filename, "exec"), namespace)
-    return namespace["apply_op"], namespace["apply_norm"]
+    return namespace["apply_op"], namespace["apply_norm"], namespace["apply_quant"]
 
 
-apply_op, apply_norm = _dispatch()
+apply_op, apply_norm, apply_quant = _dispatch()
 
 
 @triton.jit
@@ -166,22 +184,24 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr,
                 bias_ptr, residual_ptr, eps, E_OP0: tl.constexpr, e_scalar0, e_side0,
                 E_OP1: tl.constexpr, e_scalar1, e_side1, E_OP2: tl.constexpr, e_scalar2, e_side2,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_PRE: tl.constexpr,
-                WRITE_RSTD: tl.constexpr, WRITE_REDUCED: tl.constexpr, ROW_LEN: tl.constexpr):
+                WRITE_RSTD: tl.constexpr, WRITE_REDUCED: tl.constexpr, ROW_LEN: tl.constexpr,
+                QUANT: tl.constexpr, quant_scale, scales_ptr):
     """Epilogue of one item (a row when NORM != NO_NORM) from its reduced value `y` (fp32, already
-    rounded to the output dtype like the all_reduce output), then its stores. RESIDUAL: the
+    rounded to the input dtype like the all_reduce output), then its stores. RESIDUAL: the
     residual is added in fp32 before the norm, and that sum is the value `pre` stores.
     WRITE_RSTD: the norm's fp32 rsqrt per row, at `rstd_ptr` + row (training saves it for
     backward). WRITE_REDUCED: `y` itself too (a training graph may read the all_reduce's value
-    beside the norm). `y` may also be a [group, row] tile of several items; `column` then is
-    [1, row]."""
-    dtype = out_ptr.dtype.element_ty
+    beside the norm). QUANT: the value is quantized last (`out` holds the quantizer's dtype,
+    e.g. fp8, while `pre` keeps the input dtype; a per-row scale goes to `scales_ptr`). `y` may
+    also be a [group, row] tile of several items; `column` then is [1, row]."""
+    # pre_ptr is x itself when `pre` is not stored: the input dtype, which `out` lacks when
+    # quantized, and every unfused op before the quantizer rounds to.
+    dtype = pre_ptr.dtype.element_ty
     if WRITE_REDUCED:
         tl.store(reduced_ptr + index, y.to(dtype), mask=mask)
     y = apply_chain(y, index, mask, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
                     E_OP2, e_scalar2, e_side2, dtype)
-    if NORM == NO_NORM:
-        tl.store(out_ptr + index, y.to(dtype), mask=mask)
-    else:
+    if NORM != NO_NORM:
         if RESIDUAL:
             y = y + tl.load(residual_ptr + index, mask=mask, other=0.0).to(tl.float32)
         if WRITE_PRE:
@@ -191,7 +211,10 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr,
         if WRITE_RSTD:  # one value per row (an item is a row), stored by its first element
             tl.store(rstd_ptr + index // ROW_LEN, tl.broadcast_to(rstd, index.shape),
                      mask=mask & (column == 0))
-        tl.store(out_ptr + index, y.to(dtype), mask=mask)
+    if QUANT != NO_QUANT:
+        y = apply_quant(tl.where(mask, round_to(y, dtype), 0.0), index, column, mask, QUANT,
+                        quant_scale, scales_ptr, ROW_LEN)
+    tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- host side: how a tensor is cut into items and programs --------------------------------------
@@ -231,7 +254,7 @@ def launch_layout(numel: int, row_len: int | None, norm: int, world_size: int) -
 
 def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
                     weight=None, bias=None, residual=None, eps=1e-6, pre=None, rstd=None,
-                    reduced=None, row_len=None):
+                    reduced=None, row_len=None, quant=0, quant_scale=0.0, scales=None):
     """What every fused symmetric-memory launch on `buffer` (symm_buffers.SymmBuffer) shares,
     as (layout, leading args, kwargs). `prologue` / `epilogue` are ChainOps whose side tensors
     are looked up in `sides`; `norm` is a norm code, with `weight`, `bias` (layer_norm) and
@@ -239,12 +262,17 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     if given, `pre` (the value the norm normalises, i.e. the new residual), `rstd` (fp32, one
     per row: that value's rsqrt(mean(pre^2) + eps), for a norm of RSTD_NORMS) and `reduced`
     (the all_reduce's value, before the epilogue); x stands in for the pointers a launch does
-    not use.
+    not use. `quant`: a quant code, quantizing `out` last (`quant_scale`: its scalar; `scales`:
+    the rows x 1 fp32 scales a per-row quantizer writes).
     Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
     bound once and reused with other tensors of the same shape (scheduler/backends/symm.PreparedLaunch)."""
     if rstd is not None and norm not in RSTD_NORMS:
         raise ValueError(f"norm code {norm} has no rsqrt to write; those that do: "
                          f"{sorted(RSTD_NORMS)}")
+    if (quant in ROW_SCALE_QUANTS) != (scales is not None) or (
+            scales is not None and norm == NO_NORM.value):
+        raise ValueError("a per-row quantizer writes `scales` and needs a norm (its layout "
+                         "holds a whole row per item); others write none")
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
     p_values, p_codes = chain_arguments(prologue, sides, x)
     e_values, e_codes = chain_arguments(epilogue, sides, x)
@@ -252,10 +280,12 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     # epilogue's runtime part leads with its outputs and the norm's operands.
     outputs = tuple(x if t is None else t
                     for t in (out, pre, rstd, reduced, weight, bias, residual)) + (float(eps),)
-    head = (x, p_values, outputs + e_values)
+    quantize = (float(quant_scale), x if scales is None else scales)
+    head = (x, p_values, outputs + e_values + quantize)
     writes = (pre is not None, rstd is not None, reduced is not None)
     kwargs = dict(
-        PROLOGUE=p_codes, EPILOGUE=e_codes + (norm, residual is not None) + writes,
+        PROLOGUE=p_codes,
+        EPILOGUE=e_codes + (norm, residual is not None) + writes + (quant,),
         ITEM=layout.item, BLOCK=layout.block, WORLD_SIZE=buffer.world_size,
         WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
     return layout, head, kwargs

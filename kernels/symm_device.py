@@ -9,9 +9,10 @@ composes, so that each kernel reads as signature, phases, launch.
   stores only, staggered so peers are not all hit at once.
 - The chains (`apply_prologue`, `finish`): the symm_chain ops, unpacked from the kernels' tuple
   arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE = (OP0, OP1, OP2) and
-  EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE, WRITE_RSTD, WRITE_REDUCED) constexpr,
-  `prologue` = (scalar, side) x 3 and `epilogue` = (out, pre, rstd, reduced, weight, bias,
-  residual, eps) + (scalar, side) x 3 (symm_chain.fused_arguments).
+  EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE, WRITE_RSTD, WRITE_REDUCED, QUANT)
+  constexpr, `prologue` = (scalar, side) x 3 and `epilogue` = (out, pre, rstd, reduced, weight,
+  bias, residual, eps) + (scalar, side) x 3 + (quant scale, scales)
+  (symm_chain.fused_arguments).
 - The two-shot phases over groups of items (`staging_targets`, `scatter_items`, `reduce_items`,
   `finish_items`), shared by the barrier, Lamport and polled-gather two-shot kernels.
 
@@ -87,7 +88,8 @@ def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constex
     finish_item(y, index, column, mask, epilogue[0], epilogue[1], epilogue[2], epilogue[3],
                 epilogue[4], epilogue[5], epilogue[6], epilogue[7], OPS[0], epilogue[8],
                 epilogue[9], OPS[1], epilogue[10], epilogue[11], OPS[2], epilogue[12],
-                epilogue[13], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], ITEM)
+                epilogue[13], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], ITEM, OPS[8],
+                epilogue[14], epilogue[15])
 
 
 @triton.jit

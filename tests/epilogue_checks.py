@@ -80,6 +80,19 @@ def fusing_algorithms(graph: SubGraph, dtype=torch.bfloat16) -> set:
     return found | ({"symm"} if plan_span(span, meta, ctx) is not None else set())
 
 
+def full_depth_symm_choices(graph: SubGraph, dtype=torch.bfloat16) -> set:
+    """The symmetric-memory algorithms among the engine's choices for `graph` (an all_reduce and
+    its epilogue, named as symm_cases names inputs) on 2 GPUs that fuse the whole epilogue."""
+    from infini_dist.scheduler.choices import generate_choices
+    from infini_dist.scheduler.ir import find_sites
+    site = find_sites(graph)[0]
+    choices = generate_choices(graph, site, meta_of(graph, (4, 64), dtype),
+                               RunContext(None, 2, 0, torch.device("cuda")),
+                               fusion_types=("epilogue",), max_depth=5, recursive=True)
+    full = f"[p0,e{len(site.epilogue)}]"
+    return {c.name[:-len(full)] for c in choices if c.name.endswith(full)} & set(symm_algorithms())
+
+
 def check_symm(monkeypatch, pattern: str, algorithms=("one_shot", "two_shot")) -> None:
     """symm_cases' `pattern` through the named symmetric-memory algorithms on 2 interpreted
     ranks (fp32 at an odd row length, bf16): within tolerance of the unfused reference and

@@ -7,7 +7,8 @@ The Triton interpreter on the CPU runs the generated per-spec device code, but o
 compiler shows what it rejects or miscompiles, and the engine offers these kernels only from two
 GPUs up. Here each step (symm_chain.STEPS) and each norm (symm_chain.NORM_CODES) is compiled and
 run in every kernel, in fp32 and bf16, against a float64 reference of the summed inputs; at two
-ranks and more the outputs must also be bitwise equal across ranks. Prints 'ALL OK' last.
+ranks and more the outputs must also be bitwise equal across ranks. Each output quantizer
+(symm_chain.QUANT_CODES) is compared dequantized, within e4m3's precision. Prints 'ALL OK' last.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from infini_dist.kernels import symm_call  # noqa: E402
-from infini_dist.kernels.symm_chain import NORM_CODES, STEPS  # noqa: E402
+from infini_dist.kernels.epilogue import SPECS  # noqa: E402
+from infini_dist.kernels.symm_chain import NORM_CODES, QUANT_CODES, STEPS  # noqa: E402
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce  # noqa: E402
 from infini_dist.kernels.lamport_two_shot import lamport_two_shot_all_reduce  # noqa: E402
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce  # noqa: E402
@@ -35,6 +37,8 @@ KERNELS = {"one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce,
            "lamport_one_shot": lamport_one_shot_all_reduce,
            "lamport_two_shot": lamport_two_shot_all_reduce}
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+QUANT_TOLERANCE = 6e-2  # e4m3 keeps 3 mantissa bits: one rounding is up to 6.25% of a value
+QUANT_SCALE = 0.05      # a static scale under which no value here reaches the clamp at 448
 
 # float64 references of the steps, (value, operand) -> value; a step missing here fails the run,
 # so a new spec'd step cannot go unchecked.
@@ -44,6 +48,15 @@ STEP_REFERENCES = {
     "gelu": lambda y, _: F.gelu(y), "gelu_tanh": lambda y, _: F.gelu(y, approximate="tanh"),
     "mul": lambda y, s: y * s, "add": lambda y, s: y + s, "bias_add": lambda y, b: y + b,
     "swiglu_gate": lambda y, s: F.silu(y) * s, "swiglu_up": lambda y, s: F.silu(s) * y,
+}
+
+
+# The output quantizers' results dequantized, (results, static scale) -> results with the value
+# in its input's units (float64), compared with a float64 reference of the unquantized value;
+# a quantizer missing here fails the run.
+DEQUANTIZE = {
+    "quant_fp8": lambda got, scale: (got[0].double() * scale,) + got[1:],
+    "quant_fp8_per_token": lambda got, _: (got[0].double() * got[1].double(),) + got[2:],
 }
 
 
@@ -97,6 +110,25 @@ def cases(x, generator):
         yield (f"residual + relu + norm {name}", dict(kw, residual=residual, epilogue=(("relu",),)),
                lambda y, r=ref, res=residual.double(): (r(y.clamp_min(0) + res, w64, b64, 1e-5),
                                                         y.clamp_min(0) + res))
+    yield from quant_cases(x, generator)
+
+
+def quant_cases(x, generator):
+    """Each output quantizer after residual + rms_norm (the FP8 output beside the residual) and,
+    where it needs no row, after a silu chain; compared dequantized (DEQUANTIZE)."""
+    for name in sorted(QUANT_CODES):
+        if name not in DEQUANTIZE:
+            raise AssertionError(f"no dequantizer for output quantizer {name!r}")
+        quant = (name, QUANT_SCALE) if SPECS[name].symm_quant.scalar else (name,)
+        weight = (1 + 0.1 * torch.randn(x.shape[-1], generator=generator, device=x.device))
+        residual = torch.randn(x.shape, generator=generator, device=x.device).to(x.dtype)
+        w64, res = weight.to(x.dtype).double(), residual.double()
+        yield (f"residual + rms_norm + {name}",
+               dict(weight=weight.to(x.dtype), residual=residual, eps=1e-5, quant=quant),
+               lambda y, w=w64, r=res: (_rms(y + r, 1e-5) * w, y + r))
+        if not SPECS[name].symm_quant.row_scale:
+            yield (f"epilogue silu + {name}", dict(epilogue=(("silu",),), quant=quant),
+                   lambda y: F.silu(y))
 
 
 def main() -> int:
@@ -126,13 +158,16 @@ def main() -> int:
                 got = got if isinstance(got, tuple) else (got,)
                 want = reference(total)
                 want = want if isinstance(want, tuple) else (want,)
-                for g, w in zip(got, want):
+                quant = kwargs.get("quant")
+                values = DEQUANTIZE[quant[0]](got, quant[1:] and quant[1]) if quant else got
+                for i, (g, w) in enumerate(zip(values, want)):
                     err = float((g.double() - w).norm() / w.norm().clamp_min(1e-12))
-                    if not err <= TOLERANCE[dtype]:
+                    if not err <= (QUANT_TOLERANCE if quant and i == 0 else TOLERANCE[dtype]):
                         failures.append(f"{what}: relative error {err:.3g}")
                 for g in got if world > 1 else ():
+                    g = g.contiguous().view(torch.uint8)  # fp8 too, as bytes
                     gathered = [torch.empty_like(g) for _ in range(world)]
-                    dist.all_gather(gathered, g.contiguous())
+                    dist.all_gather(gathered, g)
                     if any(not torch.equal(gathered[0], other) for other in gathered):
                         failures.append(f"{what}: ranks differ")
     for failure in failures:

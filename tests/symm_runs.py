@@ -81,6 +81,9 @@ CALLABLE_CASES = {
                                     epilogue=(("gelu_tanh",), ("mul", v["up"]), ("sigmoid",))),
     "prologue_norm": lambda v: dict(prologue=(("relu",),), epilogue=(("gelu",),),
                                     weight=v["w"], residual=v["res"], eps=1e-6),
+    "add_rms_norm_quant_fp8_per_token": lambda v: dict(weight=v["w"], residual=v["res"],
+                                                       eps=1e-5, quant=("quant_fp8_per_token",)),
+    "silu_quant_fp8": lambda v: dict(epilogue=(("silu",),), quant=("quant_fp8", 0.02)),
 }
 
 

@@ -1,18 +1,24 @@
 """quant_fp8 (kernels/epilogue/quant_fp8.py): (x / scale).clamp(-448, 448) as float8_e4m3fn,
-alone and after all_reduce + add + RMSNorm (the FP8 output beside the bf16 residual)."""
+alone and after all_reduce + add + RMSNorm (the FP8 output beside the bf16 residual), in the
+ninetoothed chain and in the symmetric-memory kernels."""
 
 import pytest
 import torch
 
-from epilogue_checks import (compiled_site, epilogue_chain, fusing_algorithms, ops_of, randn,
-                             unfused)
+from epilogue_checks import (check_symm, compiled_site, epilogue_chain, full_depth_symm_choices,
+                             fusing_algorithms, ops_of, randn, unfused)
 from infini_dist.kernels.chain import UnsupportedChain, chain_from_nodes
 from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.backends.symm import plan_span
+from infini_dist.scheduler.choices import RunContext
 from interpreter_worker import call_kernel, run
+from symm_cases import build, full_span, meta_of
+from symm_runs import symm_algorithms
 from test_compile import ar, llama_norm
 
 FP8 = torch.float8_e4m3fn
+CUDA2 = RunContext(None, 2, 0, torch.device("cuda"))
 
 
 def fp64(x, scale):
@@ -76,13 +82,30 @@ def test_chain_on_gpu_every_element():
     assert op_registry.close_enough(h.cpu(), expected_h)
 
 
-def test_the_generic_path_fuses_it_after_add_rms_norm():
+def test_both_paths_fuse_it_after_add_rms_norm():
     ar_node = OpNode("all_reduce", ("x",), ("y",))
     graph = SubGraph((ar_node, OpNode("add_rms_norm", ("y", "res", "w"), ("n", "r")),
                       OpNode("quant_fp8", ("n",), ("q",), {"scale": 0.5})),
                      ("x", "res", "w"), ("q", "r"))
-    # Not yet in the symmetric-memory kernels: their outputs have the input's dtype.
-    assert fusing_algorithms(graph) == {"nccl+nt_epilogue"}
+    assert fusing_algorithms(graph) == {"nccl+nt_epilogue", "symm"}
+    plan = plan_span(full_span(graph), meta_of(graph, (4, 64), torch.bfloat16), CUDA2)
+    assert (plan.out, plan.pre, plan.out_dtype, plan.dtype, plan.quant_scale) == (
+        "q", "r", FP8, torch.bfloat16, 0.5)
+    # the norm's own output is not written: read elsewhere too, the quantizer cannot end the span
+    read = SubGraph(graph.nodes, graph.input_names, ("q", "r", "n"))
+    assert fusing_algorithms(read) == {"nccl+nt_epilogue"}
+
+
+@pytest.mark.parametrize("pattern", ["add_rms_norm_quant_fp8", "silu_quant_fp8"])
+def test_the_engine_offers_every_symm_kernel_at_full_depth(pattern):
+    assert full_depth_symm_choices(build(pattern)) == set(symm_algorithms())
+
+
+@pytest.mark.parametrize("pattern", ["add_rms_norm_quant_fp8", "silu_quant_fp8"])
+def test_every_symm_kernel_interpreted(monkeypatch, pattern):
+    """The FP8 output beside the bf16 residual (and after a plain chain), 2 ranks, every
+    kernel; the plain callables take it as quant=("quant_fp8", scale) (symm_runs)."""
+    check_symm(monkeypatch, pattern, tuple(symm_algorithms()))
 
 
 def elementwise_chain(*args):

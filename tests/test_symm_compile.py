@@ -3,8 +3,8 @@
 the kernels' numerics in CI compiles nothing, and device code that only the compiler rejects
 reached the GPU once that way (generated jit functions without a __module__ failed every
 kernel). Every spec'd chain step and norm is compiled into some kernel, every kernel with a full
-prologue, epilogue and norm, and every kernel as the engine launches a training forward site
-(the norm's rsqrt and the reduced value written too).
+prologue, epilogue and norm, every output quantizer (FP8), and every kernel as the engine
+launches a training forward site (the norm's rsqrt and the reduced value written too).
 """
 
 from __future__ import annotations
@@ -37,7 +37,13 @@ def _step(name, x):
     return (name,)
 
 
-def compile_kernel(name, prologue, epilogue, norm, residual, dtype):
+def _quant(name):
+    """The plain callables' `quant` for a quantizer (symm_chain.QUANT_CODES)."""
+    from infini_dist.kernels.epilogue import SPECS
+    return (name, 0.5) if SPECS[name].symm_quant.scalar is not None else (name,)
+
+
+def compile_kernel(name, prologue, epilogue, norm, residual, dtype, quant=None):
     """In the compile worker: bind one call of `name`'s kernel on a buffer of host tensors and
     compile it (kernel.warmup); returns the compiled kernel's register count."""
     from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
@@ -52,9 +58,9 @@ def compile_kernel(name, prologue, epilogue, norm, residual, dtype):
             options["bias"] = torch.zeros(256, dtype=dtype)
         if residual:
             options["residual"] = torch.zeros_like(x)
-    jit, grid, args, kwargs, _, _ = kernel.bind(
+    jit, grid, args, kwargs, _ = kernel.bind(
         x, buffer=buffer, prologue=[_step(s, x) for s in prologue],
-        epilogue=[_step(s, x) for s in epilogue], **options)
+        epilogue=[_step(s, x) for s in epilogue], quant=quant and _quant(quant), **options)
     compiled = jit.warmup(*args, grid=grid, **kwargs)
     return int(compiled.n_regs) if hasattr(compiled, "n_regs") and compiled.n_regs else 0
 
@@ -90,6 +96,16 @@ def _cases():
         cases.append((names[i % len(names)], (), chain, None, False, torch.float32))
     for i, norm in enumerate(norms):
         cases.append((names[(i + 2) % len(names)], (), (), norm, i % 2 == 0, torch.float16))
+    # every output quantizer after add + rms_norm in bf16 (the FP8 output beside the residual),
+    # and after a plain chain where it needs no row
+    from infini_dist.kernels.epilogue import SPECS
+    from infini_dist.kernels.symm_chain import QUANT_CODES
+    for i, quant in enumerate(sorted(QUANT_CODES)):
+        cases.append((names[(i + 3) % len(names)], (), (), "rms_norm", True, torch.bfloat16,
+                      quant))
+        if not SPECS[quant].symm_quant.row_scale:
+            cases.append((names[(i + 4) % len(names)], (), ("silu",), None, False,
+                          torch.float32, quant))
     return cases
 
 
@@ -124,3 +140,5 @@ def test_every_kernel_step_and_norm_compiles_for_sm90(tmp_path):
     assert {c[0] for c in cases} == set(symm_algorithms())
     assert {s for c in cases for s in c[1] + c[2]} == {s for chain in chains for s in chain}
     assert {c[3] for c in cases} - {None} == set(norms)
+    from infini_dist.kernels.symm_chain import QUANT_CODES
+    assert {c[6] for c in cases if len(c) > 6} == set(QUANT_CODES)

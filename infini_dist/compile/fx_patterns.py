@@ -65,6 +65,9 @@ class Template:
     root: fx.Node
     size: int  # call_function nodes
     exposable: fx.Node | None  # the interior node yielding the form's exposable value
+    # The op's further outputs (a spelling returning several values: per-token quantization's
+    # scales), interior nodes of the pattern.
+    further: tuple[fx.Node, ...] = ()
 
 
 def _example_inputs(form: Form, dtype, ndim: int, device) -> list[torch.Tensor]:
@@ -101,16 +104,18 @@ def _trace(form: Form, dtype, ndim: int, device) -> Template | None:
     placeholders = tuple(n for n in gm.graph.nodes if n.op == "placeholder")
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = output.args[0]
-    root = results[0] if isinstance(results, (tuple, list)) else results
+    results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
+    root, further = results[0], results[1:]
     if (not isinstance(root, fx.Node) or root.op != "call_function"
-            or len(placeholders) != form.arity):
+            or len(placeholders) != form.arity
+            or not all(isinstance(n, fx.Node) and n.op == "call_function" for n in further)):
         return None  # e.g. relu of an int tensor: nothing to match
     size = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     exposable = None
     if form.exposable is not None:
         found = [n for n in gm.graph.nodes if n.target == form.exposable[1]]
         exposable = found[0] if len(found) == 1 else None
-    return Template(form, placeholders, root, size, exposable)
+    return Template(form, placeholders, root, size, exposable, further)
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,6 +147,7 @@ class Match:
     root: fx.Node
     attrs: dict
     exposed: fx.Node | None = None  # the template's exposable node, where read outside
+    further: tuple = ()  # graph node per further output of the template (None: not read)
 
     @property
     def form(self) -> Form:
@@ -222,9 +228,12 @@ def match_at(template: Template, root: fx.Node) -> Match | None:
     if any(n in nodes for n in inputs):
         return None
     exposable = state.get(template.exposable) if template.exposable is not None else None
+    further = tuple(state.get(n) for n in template.further)
+    if any(n is None or n is root for n in further):
+        return None
     exposed = None
     for node in nodes:  # values inside the pattern may not be read from outside it
-        if node is not root and any(user not in nodes for user in node.users):
+        if node is not root and node not in further and any(u not in nodes for u in node.users):
             if node is not exposable:
                 return None
             exposed = node
@@ -233,4 +242,5 @@ def match_at(template: Template, root: fx.Node) -> Match | None:
         if ("attr", name) not in state:
             return None
         attrs[name] = float(state[("attr", name)])
-    return Match(template, inputs, nodes, root, attrs, exposed)
+    further = tuple(n if any(u not in nodes for u in n.users) else None for n in further)
+    return Match(template, inputs, nodes, root, attrs, exposed, further)

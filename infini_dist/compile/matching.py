@@ -189,7 +189,8 @@ def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> IROp | None:
         return None
     if any(_val(n).dtype != dtype for i, n in enumerate(inputs) if i not in match.form.vectors):
         return None  # a norm's weight may have its own dtype
-    return IROp(match.form.op_type, inputs, [match.root], dict(match.attrs), match.nodes)
+    return IROp(match.form.op_type, inputs, [match.root, *match.further], dict(match.attrs),
+                match.nodes)
 
 
 def _best(found: list) -> tuple | None:

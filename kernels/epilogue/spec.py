@@ -13,6 +13,9 @@ code of an op is therefore source text, spliced into the one generated kernel of
   `mask`, `weight`, `bias` (fp32 rows), `eps` and `ROW_LEN` in scope; for an RMSNorm also the
   expression of its per-row rsqrt, which the statements read as `rstd` and the kernels can write
   as the rms_rstd output (training keeps it for backward).
+- `symm_quant`: the op as the output quantization of the symmetric-memory kernels, the last step
+  of symm_chain.finish_item (after the chain or the norm): `out` is stored in the op's
+  `out_dtype` while `pre` (the residual sum) keeps the input dtype.
 """
 
 from __future__ import annotations
@@ -68,6 +71,19 @@ class SymmNorm:
 
 
 @dataclass(frozen=True)
+class SymmQuant:
+    """The op as the symmetric-memory kernels' output quantization. `code`: statements turning
+    `y` (fp32, rounded to the input dtype as the op's unfused input is; zero where `mask` is
+    off) into `q`, stored as `out` in the spec's `out_dtype`, with `scale` in scope: the float
+    attribute named `scalar` (None: 0.0). `row_scale`: the code also sets `row_scale`, one fp32
+    value per row ([rows, 1], reduced over the whole row, so only after a norm), stored as the
+    op's second output."""
+    code: str
+    scalar: str | None = None
+    row_scale: bool = False
+
+
+@dataclass(frozen=True)
 class OpSpec:
     name: str
     kind: str  # "elementwise" or "rowwise" (a row reduction: needs the whole reduced row)
@@ -85,6 +101,7 @@ class OpSpec:
     symm_steps: tuple[SymmStep, ...] = ()
     symm_pick: Callable | None = None  # (position, attrs, side kind) -> step name | None
     symm_norm: SymmNorm | None = None
+    symm_quant: SymmQuant | None = None
     doc: str = field(default="", compare=False)
 
 

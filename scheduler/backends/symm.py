@@ -7,10 +7,12 @@ A span is supported when it is one sum all_reduce of a CUDA float tensor with
   - an epilogue: a chain (up to 3) of elementwise ops, optionally ended by a norm over the last
     dimension (any op whose spec has a `symm_norm`, kernels/epilogue), itself optionally
     followed by the rms_rstd of the value it normalises (an RMSNorm's rsqrt, which a training
-    forward saves for backward);
-and nothing else of the span is read outside it except the final value, the value the norm
-normalises (the new residual), that rsqrt and the all_reduce's own value (a training graph may
-keep it too). Every depth, 0 included (a plain symmetric-memory all-reduce).
+    forward saves for backward), then optionally by an output quantization (a `symm_quant`:
+    FP8 static after either, per-token after a norm);
+and nothing else of the span is read outside it except the final value (the quantizer's
+outputs, where one ends it), the value the norm normalises (the new residual), that rsqrt and
+the all_reduce's own value (a training graph may keep it too). Every depth, 0 included (a plain
+symmetric-memory all-reduce).
 
 Rendezvous is collective, so it happens lazily in a runner's first call, never in `compile`: the
 engine compiles choices in a thread pool (no order across ranks), but runs each choice's first
@@ -39,7 +41,8 @@ from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.epilogue import SPECS
 from infini_dist.kernels.epilogue.rms_rstd import SPEC as RSTD_SPEC
-from infini_dist.kernels.symm_chain import (MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES, RSTD_NORMS,
+from infini_dist.kernels.symm_chain import (MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES, QUANT_CODES,
+                                            RSTD_NORMS,
                                             encode_node)
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
@@ -76,6 +79,10 @@ class SpanPlan:
     shape: tuple
     dtype: torch.dtype
     row_len: int | None
+    quant: int = 0                # quant code (symm_chain.QUANT_CODES), 0: none
+    quant_scale: float = 0.0
+    out_dtype: torch.dtype | None = None  # `out`'s dtype where quantized
+    scales: str | None = None     # the value a per-row quantizer's scales hold, if live
 
     @property
     def numel(self) -> int:
@@ -95,13 +102,18 @@ class SpanPlan:
     @property
     def writes(self) -> tuple:
         """The kernel's outputs this plan has it write, by their fused_arguments keywords."""
-        return ("out",) + tuple(k for k in ("pre", "rstd", "reduced") if getattr(self, k))
+        return ("out",) + tuple(k for k in ("pre", "rstd", "reduced", "scales")
+                                if getattr(self, k))
 
     def allocate(self, device) -> dict:
-        """Fresh tensors for `writes`: the plan's shape and dtype; rstd fp32, one per row."""
-        return {k: torch.empty(self.shape[:-1] + (1,), dtype=torch.float32, device=device)
-                if k == "rstd" else torch.empty(self.shape, dtype=self.dtype, device=device)
-                for k in self.writes}
+        """Fresh tensors for `writes`: `out` in the quantizer's dtype where quantized, the others
+        in the plan's; rstd and a per-row quantizer's scales fp32, one per row."""
+        def empty(key):
+            if key in ("rstd", "scales"):
+                return torch.empty(self.shape[:-1] + (1,), dtype=torch.float32, device=device)
+            dtype = (self.out_dtype or self.dtype) if key == "out" else self.dtype
+            return torch.empty(self.shape, dtype=dtype, device=device)
+        return {k: empty(k) for k in self.writes}
 
     def results(self, written: dict) -> dict:
         slot = {getattr(self, k): k for k in self.writes}
@@ -168,6 +180,10 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
         return None
 
     epilogue_nodes = span.nodes(span.epilogue)
+    epilogue_nodes = list(epilogue_nodes)
+    quant_node = None  # the chain ends: [ops..] [norm [rms_rstd]] [quantizer]
+    if epilogue_nodes and epilogue_nodes[-1].op_type in QUANT_CODES:
+        quant_node = epilogue_nodes.pop()
     rstd_node = None
     if epilogue_nodes and epilogue_nodes[-1].op_type == RSTD_SPEC.name:
         rstd_node = epilogue_nodes.pop()
@@ -198,15 +214,42 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
         if not _rstd_of(rstd_node, norm, pre, eps):
             return None
         rstd = rstd_node.outputs[0]
+    quant = {}
+    if quant_node is not None:
+        quant = _quant(quant_node, out, norm)
+        if quant is None:
+            return None
+        out = quant_node.outputs[0]
+    scales = quant.get("scales")
     outputs = tuple(span.outputs)
     reduced = anchor.outputs[0] if anchor.outputs[0] not in (out, pre) else None
-    if not set(outputs) <= {out, pre, rstd, reduced} - {None}:
+    if not set(outputs) <= {out, pre, rstd, reduced, scales} - {None}:
         return None  # an intermediate value is read elsewhere; we do not write it
     return SpanPlan(source, prologue, epilogue, norm, operands.get("weight"),
                     operands.get("bias"), operands.get("residual"), float(eps), out,
                     *(name if name in outputs else None for name in (pre, rstd, reduced)),
                     outputs, tuple(x.shape), x.dtype,
-                    x.shape[-1] if norm != NO_NORM.value else None)
+                    x.shape[-1] if norm != NO_NORM.value else None,
+                    quant.get("quant", 0), quant.get("quant_scale", 0.0),
+                    quant.get("out_dtype"), scales if scales in outputs else None)
+
+
+def _quant(node, current, norm) -> dict | None:
+    """The quantizer node's plan fields, or None where the kernels cannot run it: it reads the
+    final value; a per-row one needs the norm's layout (a whole row per item)."""
+    spec = SPECS[node.op_type]
+    if tuple(node.inputs) != (current,) or len(node.outputs) != spec.num_outputs:
+        return None
+    if spec.symm_quant.row_scale and norm == NO_NORM.value:
+        return None
+    scale = 0.0
+    if spec.symm_quant.scalar is not None:
+        scale = node.attr(spec.symm_quant.scalar, dict(spec.attrs)[spec.symm_quant.scalar])
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            return None
+    return {"quant": QUANT_CODES[node.op_type], "quant_scale": float(scale),
+            "out_dtype": spec.out_dtype,
+            "scales": node.outputs[1] if spec.symm_quant.row_scale else None}
 
 
 def _rstd_of(node, norm: int, pre, eps) -> bool:
@@ -299,7 +342,8 @@ class SymmAllReduce(Algorithm):
             norm=plan.norm, weight=tensors[plan.weight] if plan.weight else None,
             bias=tensors[plan.bias] if plan.bias else None,
             residual=tensors[plan.residual] if plan.residual else None, eps=plan.eps,
-            row_len=plan.row_len, tuning=tuning, **written)
+            row_len=plan.row_len, quant=plan.quant, quant_scale=plan.quant_scale,
+            tuning=tuning, **written)
 
     def launch(self, plan: SpanPlan, env: dict, buffer,
                tuning: SymmTuning = DEFAULT_TUNING) -> dict:
