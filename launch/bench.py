@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node=4 -m infini_dist.launch.bench --out bench_out \\
         [--tokens 1,16,128,1024,8192] [--hidden 4096]
-        [--patterns add_rms_norm,add_rms_norm_fp8,relu_scale,swiglu]
+        [--patterns add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_token,relu_scale,swiglu]
 
 Per pattern and token count, every implementation is timed under CUDA-graph replay and eagerly,
 in this one run, max over ranks (a collective is as slow as its slowest rank):
@@ -58,6 +58,11 @@ def pattern_graph(pattern: str) -> SubGraph:
                                     {"eps": EPS}),
                          OpNode("quant_fp8", ("n",), ("out",), {"scale": FP8_SCALE})),
                         ("x", "residual", "weight"), ("out", "h"))
+    if pattern == "add_rms_norm_fp8_token":  # the same, with a dynamic per-token scale
+        return SubGraph((ar, OpNode("add_rms_norm", ("y", "residual", "weight"), ("n", "h"),
+                                    {"eps": EPS}),
+                         OpNode("quant_fp8_per_token", ("n",), ("out", "scales"))),
+                        ("x", "residual", "weight"), ("out", "scales", "h"))
     if pattern == "relu_scale":
         return SubGraph((ar, OpNode("relu", ("y",), ("a",)),
                          OpNode("scale", ("a",), ("out",), {"scale": SCALE})), ("x",), ("out",))
@@ -68,11 +73,15 @@ def pattern_graph(pattern: str) -> SubGraph:
 
 def eager_epilogue(pattern: str, y, inputs):
     """What a user writes after the all_reduce, in eager torch."""
-    if pattern in ("add_rms_norm", "add_rms_norm_fp8"):
+    if pattern.startswith("add_rms_norm"):
         h = y + inputs["residual"]
         out = F.rms_norm(h, (h.shape[-1],), inputs["weight"], EPS)
         if pattern == "add_rms_norm_fp8":
             out = (out / FP8_SCALE).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        if pattern == "add_rms_norm_fp8_token":  # as vLLM's dynamic per-token quant
+            scales = (out.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp(
+                min=1.0 / (448.0 * 512.0))
+            return (out.float() / scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scales, h
         return out, h
     if pattern == "relu_scale":
         return torch.relu(y) * SCALE
@@ -239,7 +248,8 @@ def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
     impls = peers(pattern, inputs, group, device.type == "cuda", args.compile_peer)
     if flashinfer is not None:
         impls.update(flashinfer.peers(pattern, inputs,
-                                      lambda y, sides: eager_epilogue(pattern, y, sides), EPS))
+                                      lambda y, sides: eager_epilogue(pattern, y, sides), EPS,
+                                      FP8_SCALE, lambda outs: dequantized(pattern, outs)))
     executor, candidates = engine_candidates(graph, inputs, group, device,
                                              device.type == "cuda" and args.native_inductor)
     # The engine decides on its first (eager) call, in lockstep on all ranks.
@@ -248,10 +258,10 @@ def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
     impls.update(candidates)
     impls["engine"] = (lambda: executor.run(inputs, group), lambda: None)
     expected = impls["native"][0]()
-    expected = expected[0] if isinstance(expected, tuple) else expected
-    # (an fp8 output compares as its dequantized values, so the error is in the input's units)
-    unit = FP8_SCALE if expected.dtype == torch.float8_e4m3fn else 1.0
-    error = float((reference["out"].float() - expected.float()).abs().max()) * unit
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = tuple(reference[name] for name in graph.output_names)
+    error = float((dequantized(pattern, got)[0].float()
+                   - dequantized(pattern, expected)[0].float()).abs().max())
     rows = []
     for name, (fn, reset) in impls.items():
         row = {"pattern": pattern, "tokens": tokens, "impl": name}
@@ -267,6 +277,28 @@ def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
         rows.append(row)
     return rows, {"committed": record.get("choice"), "engine_vs_native_max_abs": error,
                   "tuning_times_us": {k: v * 1e6 for k, v in record.get("times_s", {}).items()}}
+
+
+def dequantized(pattern, outputs):
+    """The outputs with the first in the input's units (an fp8 output times its scale)."""
+    if pattern == "add_rms_norm_fp8":
+        return (outputs[0].float() * FP8_SCALE,) + tuple(outputs[1:])
+    if pattern == "add_rms_norm_fp8_token":
+        return (outputs[0].float() * outputs[1],) + tuple(outputs[1:])
+    return outputs
+
+
+def fp8_cost(rows, mode) -> list[str]:
+    """Per FP8 pattern and token count, the engine's time over its time for the same count
+    without the quantization (the target: at most 1.05)."""
+    engine = {(r["pattern"], r["tokens"]): r.get(f"{mode}_us") for r in rows
+              if r["impl"] == "engine"}
+    out = []
+    for (pattern, tokens), us in engine.items():
+        base = engine.get(("add_rms_norm", tokens))
+        if pattern.startswith("add_rms_norm_fp8") and us and base:
+            out.append(f"{pattern}/{tokens} {us / base:.3f}")
+    return out
 
 
 def print_table(rows, patterns, tokens, mode):
@@ -318,13 +350,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="1,16,128,1024,8192")
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--patterns", default="add_rms_norm,add_rms_norm_fp8,relu_scale,swiglu")
+    parser.add_argument("--patterns", default="add_rms_norm,add_rms_norm_fp8,"
+                        "add_rms_norm_fp8_token,relu_scale,swiglu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--no-compile-peer", dest="compile_peer", action="store_false")
+    parser.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
+                        help="skip the FlashInfer peer (its first use JIT-builds for minutes)")
     parser.add_argument("--no-native-inductor", dest="native_inductor", action="store_false")
     parser.add_argument("--noise", type=float, default=0.05,
                         help="how far above native the engine row may be before it is listed")
@@ -341,8 +376,12 @@ def main(argv=None):
         torch.cuda.set_device(device)
         dist.init_process_group("nccl")
     timer = Timer(device, args.trials, args.replays)
-    flashinfer = open_flashinfer(None, max(tokens), args.hidden, getattr(torch, args.dtype),
-                                 device)
+    flashinfer = None
+    if args.flashinfer:
+        flashinfer = open_flashinfer(None, max(tokens), args.hidden, getattr(torch, args.dtype),
+                                     device)
+    elif dist.get_rank() == 0:
+        print("flashinfer: --no-flashinfer; its rows are skipped", flush=True)
     # One untimed case first, so that the first timed count finds the GPU, the process and the
     # engine as warm (clocks, allocator, first-launch paths) as every later count does: the first
     # count once read 7.4 us in this sweep against 4.5 us for the same kernel elsewhere.
@@ -363,6 +402,9 @@ def main(argv=None):
         print(f"\nengine above native by more than {args.noise:.0%}: "
               + (", ".join(f"{s['pattern']}/{s['tokens']} {s['mode']} {s['engine_us']:.1f} vs "
                            f"{s['native_us']:.1f} us" for s in slower) or "none"))
+        mode = "eager" if args.cpu_smoke else "graph"  # no graphs on CPU
+        print(f"FP8 epilogue cost, engine add_rms_norm_fp8* / engine add_rms_norm ({mode}): "
+              + (", ".join(fp8_cost(rows, mode)) or "no rows"))
         if flashinfer is not None:
             print("engine speed-up over the fastest flashinfer row (graph): "
                   + (", ".join(engine_vs_flashinfer(rows)) or "no rows"))

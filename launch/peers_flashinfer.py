@@ -26,6 +26,9 @@ WORLD_SIZES = (2, 4, 8, 16)  # what trtllm_allreduce_fusion dispatches on
 # is a few roundings away from it; a missing or doubled rank's share is far outside.
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2 ** -6, 2 ** -6),
              torch.float16: (2 ** -6, 2 ** -6)}
+# A dequantized fp8 output may sit one e4m3 step further off (2^-3 relative): rounding the
+# reference's value and ours can fall on either side of a step.
+FP8_STEP = 2 ** -3
 
 
 def open_peers(group, max_tokens: int, hidden: int, dtype, device):
@@ -96,11 +99,34 @@ class FlashInferPeers:
                 allreduce_out=outputs.get("allreduce_out"),
                 residual_in=outputs.get("residual_in"),
                 residual_out=outputs.get("residual_out"), norm_out=outputs.get("norm_out"),
-                quant_out=None, scale_out=None, rms_gamma=outputs.get("rms_gamma"),
-                rms_eps=outputs.get("rms_eps"), scale_factor=None, layout_code=None,
+                quant_out=outputs.get("quant_out"), scale_out=outputs.get("scale_out"),
+                rms_gamma=outputs.get("rms_gamma"), rms_eps=outputs.get("rms_eps"),
+                scale_factor=outputs.get("scale_factor"), layout_code=None,
                 metadata=self.meta)
 
-    def peers(self, pattern, inputs, epilogue, eps):
+    def _fused(self, pattern, x, inputs, eps, fp8_scale):
+        """(pattern code, outputs, the outputs in the epilogue's order) for a pattern one
+        fusion kernel computes whole, else None."""
+        codes = self.comm.AllReduceFusionPattern
+        outs = {"residual_out": torch.empty_like(x), "residual_in": inputs["residual"],
+                "rms_gamma": inputs["weight"], "rms_eps": eps}
+        if pattern == "add_rms_norm":
+            outs["norm_out"] = torch.empty_like(x)
+            return codes.kARResidualRMSNorm, outs, ("norm_out", "residual_out")
+        fp8 = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+        if pattern == "add_rms_norm_fp8":  # it multiplies by 1 / scale_factor
+            outs.update(quant_out=fp8, scale_factor=torch.tensor(
+                [fp8_scale], dtype=torch.float32, device=x.device))
+            return codes.kARResidualRMSNormFP8Quant, outs, ("quant_out", "residual_out")
+        if pattern == "add_rms_norm_fp8_token" and hasattr(
+                codes, "kARResidualRMSNormDynamicFP8Quant"):
+            outs.update(quant_out=fp8, scale_out=torch.empty(
+                x.shape[0], 1, dtype=torch.float32, device=x.device))
+            return (codes.kARResidualRMSNormDynamicFP8Quant, outs,
+                    ("quant_out", "scale_out", "residual_out"))
+        return None
+
+    def peers(self, pattern, inputs, epilogue, eps, fp8_scale=None, dequantize=None):
         """name -> (callable, reset), as bench.peers. `epilogue(y, inputs)` is the user's eager
         epilogue (for add_rms_norm it returns (normed, y + residual), which the fused kernel
         must match). A variant whose output is off the float32 reference on any rank raises
@@ -112,14 +138,12 @@ class FlashInferPeers:
         codes = self.comm.AllReduceFusionPattern
         impls = {}
         for suffix, oneshot in self._variants(x.shape[0]):
-            if pattern == "add_rms_norm":
-                outs = {"residual_out": torch.empty_like(x), "norm_out": torch.empty_like(x)}
-
-                def run(oneshot=oneshot, outs=outs):
-                    self._call(x, oneshot, codes.kARResidualRMSNorm, **outs,
-                               residual_in=inputs["residual"], rms_gamma=inputs["weight"],
-                               rms_eps=eps)
-                    return outs["norm_out"], outs["residual_out"]
+            fused = self._fused(pattern, x, inputs, eps, fp8_scale)
+            if fused is not None:
+                def run(oneshot=oneshot, fused=fused):
+                    code, outs, order = fused
+                    self._call(x, oneshot, code, **outs)
+                    return tuple(outs[name] for name in order)
                 name = f"fi_fused_{suffix}"
             else:
                 y = torch.empty_like(x)
@@ -129,7 +153,7 @@ class FlashInferPeers:
                     return epilogue(y, inputs)
                 name = f"fi_ar_{suffix}"
             try:
-                error = output_error(run(), inputs, epilogue, self.group)
+                error = output_error(run(), inputs, epilogue, self.group, dequantize)
             except Exception as failure:  # noqa: BLE001 - a shape the kernels refuse, say
                 error = f"{type(failure).__name__}: {failure}"[:300]
             if error is None:
@@ -141,24 +165,32 @@ class FlashInferPeers:
         return impls
 
 
-def output_error(got, inputs, epilogue, group) -> str | None:
+def output_error(got, inputs, epilogue, group, dequantize=None) -> str | None:
     """None when `got` (this rank's output, a tensor or a tuple) matches the float32 reference
     `epilogue(sum of every rank's x, inputs)` on every rank of `group`, else what is off: one
-    verdict on all ranks, so none times a peer that another skips."""
+    verdict on all ranks, so none times a peer that another skips. An FP8 pattern passes
+    `dequantize(outputs) -> outputs`, its first in the input's units, which is compared."""
     wide = {k: v.float() for k, v in inputs.items()}
     y = wide["x"].clone()
     dist.all_reduce(y, group=group)
     want = epilogue(y, wide)
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
-    atol, rtol = TOLERANCE[inputs["x"].dtype]
-    excess = max(float(torch.nan_to_num((g.float() - w).abs() - rtol * w.abs(),
-                                        nan=float("inf")).max()) for g, w in zip(got, want))
-    worst = torch.tensor([excess], dtype=torch.float64, device=inputs["x"].device)
+    if dequantize is not None:
+        got, want = dequantize(got), dequantize(want)
+    atol, rtol = TOLERANCE[inputs["x"].dtype]  # fp32 outputs (FP8 scales) come from 16-bit ones
+
+    def excess(i, g, w):  # in units of atol: at most 1 passes
+        step = FP8_STEP if dequantize is not None and i == 0 else 0.0
+        far = (g.float() - w.float()).abs() - (rtol + step) * w.float().abs()
+        return float(torch.nan_to_num(far / atol, nan=float("inf")).max())
+    worst = max(excess(i, g, w) for i, (g, w) in enumerate(zip(got, want)))
+    worst = torch.tensor([worst], dtype=torch.float64, device=inputs["x"].device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     worst = float(worst.item())
-    return None if worst <= atol else (
-        f"|out - fp32 reference| exceeds {atol:g} + {rtol:g}*|ref| by up to {worst:.3g}")
+    return None if worst <= 1.0 else (
+        f"|out - fp32 reference| exceeds its tolerance (atol + rtol*|ref|) by up to "
+        f"{worst:.3g} atol")
 
 
 def _raiser(message):

@@ -29,7 +29,7 @@ def test_above_native_lists_only_engine_rows_slower_than_native_beyond_noise():
 def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     out = tmp_path / "out"
     run = run_cli(tmp_path, "bench", "--nproc", "2", "--cpu-smoke", "--tokens", "2", "--hidden",
-                  "32", "--patterns", "add_rms_norm,add_rms_norm_fp8", "--trials", "2",
+                  "32", "--patterns", "add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_token", "--trials", "2",
                   "--replays", "2", "--out",
                   str(out), timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -45,6 +45,10 @@ def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     assert fp8["engine_vs_native_max_abs"] <= bench.FP8_SCALE * 8
     assert {("add_rms_norm_fp8", "engine"), ("add_rms_norm_fp8", "native")} <= {
         (r["pattern"], r["impl"]) for r in data["rows"]}
+    # per-token scales: dequantized, one step is at most 2^-3 of a normed value of a few units
+    token = data["meta"]["cases"]["add_rms_norm_fp8_token/2"]
+    assert token["engine_vs_native_max_abs"] <= 0.5, token
+    assert "add_rms_norm_fp8_token/2 " in run.stdout.split("FP8 epilogue cost")[1]
     assert isinstance(data["meta"]["engine_above_native"], list)
     assert "engine above native by more than 5%" in run.stdout
     # FlashInfer is an optional peer: absent (or on CPU ranks) it is named once, then skipped.

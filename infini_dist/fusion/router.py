@@ -368,13 +368,15 @@ class FusionScheduler:
         group = _collective_group(graph, group)
         if not entry.collective or group_size(group) == 1:
             return
-        plane = control_plane(group, entry.settings.tuning_timeout_s)
         ballot = ("infini_dist.fusion fallback", graph.signature())
         try:
+            # Inside the try: a peer that succeeded may already have moved on and abandoned the
+            # plane, so the rebuild times out too; the error must still name the real failure.
+            plane = control_plane(group, entry.settings.tuning_timeout_s)
             votes = plane.all_gather(ballot, "fallback vote")
         except ControlPlaneError as vote_error:
             raise ControlPlaneError(
-                f"infini_dist.fusion: the fused path failed on rank {plane.rank} "
+                f"infini_dist.fusion: the fused path failed on rank {dist.get_rank()} "
                 f"({type(error).__name__}: {error}) and not every rank of the group did, so no "
                 f"rank may fall back alone. {vote_error}") from error
         if any(vote != ballot for vote in votes):
