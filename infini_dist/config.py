@@ -179,7 +179,8 @@ class Settings:
         """The flags that change which choice is committed, hence part of the cache key."""
         return {"fusion": self.enable_custom_op_fusion, "types": self.custom_op_fusion_types,
                 "recursive": self.enable_recursive_fusion, "depth": self.max_fusion_depth,
-                "threshold": self.fusion_speedup_threshold}
+                "threshold": self.fusion_speedup_threshold,
+                "graph_timing": self.benchmark_cuda_graphs}
 
 
 class _ConfigModule(types.ModuleType):

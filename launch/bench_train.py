@@ -37,7 +37,9 @@ from infini_dist.launch import shutdown
 from infini_dist.launch.bench_model import setup
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 
-VARIANTS = ("inductor", "infini_dist")
+# infini_dist_eager_timing: the pass with its sites timed eagerly (benchmark_cuda_graphs off),
+# host cost included, as this graph runs them (no CUDA graphs), instead of under graph replay
+VARIANTS = ("inductor", "infini_dist", "infini_dist_eager_timing")
 
 
 class _ReduceFromRanks(torch.autograd.Function):
@@ -124,30 +126,36 @@ def train_curve(model, forward, tokens: int, args, device, dtype, control) -> di
 
 
 def run_variant(variant: str, tokens: int, args, device, dtype, control) -> dict:
+    import infini_dist
     import infini_dist.compile as idc
     torch._dynamo.reset()
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)  # seeded: same weights
-    if variant == "infini_dist":
-        forward = decide_then_recompile(model, tokens, args, device, dtype)
-    else:
-        forward = torch.compile(model)
-    sites_before, native_before = idc.stats["sites"], idc.stats["native_sites"]
-    row = train_curve(model, forward, tokens, args, device, dtype, control)
+    # the whole variant under its settings: the sites look their executors up by them
+    with infini_dist.config.patch(benchmark_cuda_graphs=variant != "infini_dist_eager_timing"):
+        if variant == "inductor":
+            forward = torch.compile(model)
+        else:
+            forward = decide_then_recompile(model, tokens, args, device, dtype)
+        sites_before, native_before = idc.stats["sites"], idc.stats["native_sites"]
+        row = train_curve(model, forward, tokens, args, device, dtype, control)
     row.update(variant=variant, tokens=tokens, sites=idc.stats["sites"] - sites_before,
                native_sites=idc.stats["native_sites"] - native_before,
-               site_ops=sorted({d["op"] for d in idc.decisions()}) if variant == "infini_dist"
+               site_ops=sorted({d["op"] for d in idc.decisions()}) if variant != "inductor"
                else [])  # the IR ops of each kind of site that ran, forward and backward
     return row
 
 
 def compare(rows: list, tol: float) -> list:
-    """Per tokens-per-step: speedup of infini_dist over inductor and the loss curves' distance."""
+    """Per tokens-per-step and variant with the pass: its speedup over inductor and the loss
+    curves' distance."""
     verdicts = []
-    for tokens in sorted({r["tokens"] for r in rows}):
-        base, ours = (next(r for r in rows if r["tokens"] == tokens and r["variant"] == v)
-                      for v in VARIANTS)
+    for ours in rows:
+        if ours["variant"] == "inductor":
+            continue
+        base = next(r for r in rows if r["tokens"] == ours["tokens"] and r["variant"] == "inductor")
         diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], base["losses"]))
-        verdicts.append({"tokens": tokens, "speedup": base["step_ms"] / ours["step_ms"],
+        verdicts.append({"tokens": ours["tokens"], "variant": ours["variant"],
+                         "speedup": base["step_ms"] / ours["step_ms"],
                          "loss_rel_diff": diff, "loss_ok": diff <= tol})
     return verdicts
 
@@ -159,10 +167,11 @@ def table(rows: list, verdicts: list) -> str:
         lines.append(f"| {r['tokens']} | {r['variant']} | {r['step_ms']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {r['sites']} | {r['native_sites']} | "
                      f"{r['losses'][-1]:.5f} |")
-    lines += ["", "| tokens/step | speedup (inductor / infini_dist) | loss curve max rel diff | ok |",
-              "|---|---|---|---|"]
+    lines += ["", "| tokens/step | variant | speedup over inductor | loss curve max rel diff | ok |",
+              "|---|---|---|---|---|"]
     for v in verdicts:
-        lines.append(f"| {v['tokens']} | {v['speedup']:.3f}x | {v['loss_rel_diff']:.2e} | "
+        lines.append(f"| {v['tokens']} | {v['variant']} | {v['speedup']:.3f}x | "
+                     f"{v['loss_rel_diff']:.2e} | "
                      f"{'yes' if v['loss_ok'] else 'NO'} |")
     return "\n".join(lines)
 
@@ -173,6 +182,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="bench_train_out")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tokens", default="2048,8192", help="tokens per step, comma-separated")
+    parser.add_argument("--variants", default="inductor,infini_dist",
+                        help=f"comma-separated, among {','.join(VARIANTS)} (inductor always runs)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5, help="untimed first steps")
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -188,6 +199,10 @@ def parse_args(argv=None):
         parser.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
     if min(args.tokens) <= 0 or args.steps <= args.warmup or args.warmup < 0:
         parser.error("--tokens must be positive and --steps greater than --warmup >= 0")
+    requested = set(args.variants.split(",")) | {"inductor"}
+    if requested - set(VARIANTS):
+        parser.error(f"--variants: choose among {','.join(VARIANTS)}, got {args.variants!r}")
+    args.variants = [v for v in VARIANTS if v in requested]
     args.model = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads,
                              context=max(args.tokens))
     args.cpu_smoke = args.device == "cpu"  # bench_model.setup: gloo, float32
@@ -200,7 +215,7 @@ def main(argv=None) -> int:
     check_shapes(args.model, dist.get_world_size())
     tol = args.tol if args.tol is not None else (2e-2 if dtype == torch.bfloat16 else 1e-4)
     rows = [run_variant(v, tokens, args, device, dtype, control)
-            for tokens in args.tokens for v in VARIANTS]
+            for tokens in args.tokens for v in args.variants]
     verdicts = compare(rows, tol)
     if dist.get_rank() == 0:
         text = table(rows, verdicts)

@@ -14,27 +14,27 @@ def _verdicts(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from infini_dist.launch import bench
+    from infini_dist.launch import bench_patterns
     from infini_dist.launch.peers_flashinfer import output_error
 
     found = {}
     for pattern in PATTERNS:
-        inputs = bench.make_inputs(pattern, 8, 64, torch.bfloat16, torch.device("cpu"), rank)
+        inputs = bench_patterns.make_inputs(pattern, 8, 64, torch.bfloat16, torch.device("cpu"), rank)
 
         def epilogue(y, sides, pattern=pattern):
-            return bench.eager_epilogue(pattern, y, sides)
+            return bench_patterns.eager_epilogue(pattern, y, sides)
         summed = inputs["x"].clone()
         dist.all_reduce(summed)  # in bf16: what a 16-bit peer returns is as far off as this
         right = epilogue(summed, inputs)
         alone = epilogue(inputs["x"], inputs)  # this rank's share only: a broken all-reduce
         one_rank_wrong = alone if rank == 1 else right
         def dequantize(outs, pattern=pattern):
-            return bench.dequantized(pattern, outs)
+            return bench_patterns.dequantized(pattern, outs)
         found[pattern] = [output_error(got, inputs, epilogue, None, dequantize)
                           for got in (right, alone, one_rank_wrong)]
-    nan = bench.make_inputs("relu_scale", 4, 64, torch.float32, torch.device("cpu"), rank)
+    nan = bench_patterns.make_inputs("relu_scale", 4, 64, torch.float32, torch.device("cpu"), rank)
     got = torch.full_like(nan["x"], float("nan"))
-    found["nan"] = output_error(got, nan, lambda y, s: bench.eager_epilogue("relu_scale", y, s),
+    found["nan"] = output_error(got, nan, lambda y, s: bench_patterns.eager_epilogue("relu_scale", y, s),
                                 None)
     return found
 

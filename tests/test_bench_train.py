@@ -18,7 +18,7 @@ TINY = ["--device", "cpu", "--tokens", "16", "--steps", "3", "--warmup", "1", "-
 def test_train_bench_runs_small_on_cpu(tmp_path):
     out = tmp_path / "out"
     run = run_cli(tmp_path, "bench", "--train", "--nproc", "2", *TINY, "--out", str(out),
-                  timeout=400)
+                  "--variants", ",".join(bench_train.VARIANTS), timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["world_size"] == 2 and data["meta"]["dtype"] == "float32"
@@ -31,17 +31,24 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
     # Compiled after they decided: each replaced, or left to Inductor where decided native.
     assert rows["infini_dist"]["sites"] + rows["infini_dist"]["native_sites"] == 4
     assert rows["inductor"]["native_sites"] == 0
-    ops = rows["infini_dist"]["site_ops"]
-    assert "all_reduce+add_rms_norm+rms_rstd" in ops
-    assert any(o.startswith("all_reduce+") and "rms" not in o for o in ops)  # backward's
-    (verdict,) = data["verdicts"]
-    assert verdict["tokens"] == 16 and verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4
+    for variant in ("infini_dist", "infini_dist_eager_timing"):
+        ops = rows[variant]["site_ops"]
+        assert "all_reduce+add_rms_norm+rms_rstd" in ops
+        assert any(o.startswith("all_reduce+") and "rms" not in o for o in ops)  # backward's
+    verdicts = {v["variant"]: v for v in data["verdicts"]}
+    assert set(verdicts) == {"infini_dist", "infini_dist_eager_timing"}
+    for verdict in verdicts.values():
+        assert verdict["tokens"] == 16 and verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4
     assert (out / "table.md").read_text().startswith("| tokens/step |")
 
 
 def test_train_bench_arguments():
     args = bench_train.parse_args(["--tokens", "64,128", "--steps", "4", "--warmup", "2"])
     assert args.tokens == [64, 128] and args.model.context == 128 and not args.cpu_smoke
-    for bad in (["--tokens", "a"], ["--tokens", "0"], ["--steps", "2", "--warmup", "2"]):
+    assert args.variants == ["inductor", "infini_dist"]
+    assert bench_train.parse_args(["--variants", "infini_dist_eager_timing"]).variants == [
+        "inductor", "infini_dist_eager_timing"]
+    for bad in (["--tokens", "a"], ["--tokens", "0"], ["--steps", "2", "--warmup", "2"],
+                ["--variants", "infini_dist,fast"]):
         with pytest.raises(SystemExit):
             bench_train.parse_args(bad)

@@ -70,6 +70,8 @@ def test_snapshot_is_immutable_and_keyed_by_decision_flags():
         snap.max_fusion_depth = 9
     with config.patch(max_fusion_depth=1):
         assert config.snapshot().decision_fields() != snap.decision_fields()
+    with config.patch(benchmark_cuda_graphs=False):  # timing mode changes what wins
+        assert config.snapshot().decision_fields() != snap.decision_fields()
     with config.patch(benchmark_reps=50):  # timing effort does not change what is decided
         assert config.snapshot().decision_fields() == snap.decision_fields()
 
