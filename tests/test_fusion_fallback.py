@@ -88,9 +88,16 @@ def test_debug_mode_logs_routing_tuning_and_cache_hits(caplog):
 
 def flaky_all_reduce_rank(rank, world_size):
     """all_reduce -> relu -> scale through a fused CPU algorithm that, once tuned, fails after
-    its collective on the ranks in `failing`. Phase 1: every rank fails. Phase 2: rank 0 only.
+    its collective on the ranks in `failing`. Phase 1: every rank fails. Phase 2: rank 0 only,
+    and only once rank 1 has finished its call and abandoned its control planes (as a rank that
+    moves on to its shutdown does), so rank 0's vote must rebuild the plane and time out there.
     Returns, per phase, what the dispatch produced or raised."""
     import warnings
+
+    import torch.distributed as dist
+
+    from infini_dist.scheduler.control import reset_control_planes
+    store = dist.distributed_c10d._get_default_store()
 
     from infini_dist.fusion.patterns import create_all_reduce_relu_scale_pattern
     from infini_dist.scheduler.choices import register_algorithm, unregister_algorithm
@@ -107,6 +114,8 @@ def flaky_all_reduce_rank(rank, world_size):
             def run_then_fail(env):
                 out = run(env)  # fail after the collective: the hardest case to recover from
                 if ctx.rank in failing:
+                    if len(failing) < world_size:
+                        store.wait(["peer moved on"])
                     raise RuntimeError(f"injected failure on rank {ctx.rank}")
                 return out
             return run_then_fail
@@ -135,6 +144,9 @@ def flaky_all_reduce_rank(rank, world_size):
                     out = scheduler.dispatch(graph, {"x": xs[rank]})
                 result["error"] = float((out["output"].double() - expected_out).abs().max())
                 result["warned"] = any("injected failure" in str(w.message) for w in caught)
+                if failing_ranks != set(range(world_size)):
+                    reset_control_planes()
+                    store.set("peer moved on", "1")
             except Exception as error:  # noqa: BLE001 - reported to the test
                 result["raised"] = f"{type(error).__name__}: {error}"
             result["fallbacks"] = scheduler.get_cache_stats()["fallbacks"] - fallbacks
