@@ -167,7 +167,8 @@ def table(rows: list, verdicts: list) -> str:
         lines.append(f"| {r['tokens']} | {r['variant']} | {r['step_ms']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {r['sites']} | {r['native_sites']} | "
                      f"{r['losses'][-1]:.5f} |")
-    lines += ["", "| tokens/step | variant | speedup over inductor | loss curve max rel diff | ok |",
+    lines += ["",
+              "| tokens/step | variant | speedup over inductor | loss curve max rel diff | ok |",
               "|---|---|---|---|---|"]
     for v in verdicts:
         lines.append(f"| {v['tokens']} | {v['variant']} | {v['speedup']:.3f}x | "

@@ -108,6 +108,8 @@ class FlashInferPeers:
         """(pattern code, outputs, the outputs in the epilogue's order) for a pattern one
         fusion kernel computes whole, else None."""
         codes = self.comm.AllReduceFusionPattern
+        if not pattern.startswith("add_rms_norm"):  # no residual or weight: the AR rows only
+            return None
         outs = {"residual_out": torch.empty_like(x), "residual_in": inputs["residual"],
                 "rms_gamma": inputs["weight"], "rms_eps": eps}
         if pattern == "add_rms_norm":

@@ -19,7 +19,8 @@ def _verdicts(rank, world_size):
 
     found = {}
     for pattern in PATTERNS:
-        inputs = bench_patterns.make_inputs(pattern, 8, 64, torch.bfloat16, torch.device("cpu"), rank)
+        inputs = bench_patterns.make_inputs(pattern, 8, 64, torch.bfloat16,
+                                            torch.device("cpu"), rank)
 
         def epilogue(y, sides, pattern=pattern):
             return bench_patterns.eager_epilogue(pattern, y, sides)
@@ -28,14 +29,16 @@ def _verdicts(rank, world_size):
         right = epilogue(summed, inputs)
         alone = epilogue(inputs["x"], inputs)  # this rank's share only: a broken all-reduce
         one_rank_wrong = alone if rank == 1 else right
+
         def dequantize(outs, pattern=pattern):
             return bench_patterns.dequantized(pattern, outs)
         found[pattern] = [output_error(got, inputs, epilogue, None, dequantize)
                           for got in (right, alone, one_rank_wrong)]
-    nan = bench_patterns.make_inputs("relu_scale", 4, 64, torch.float32, torch.device("cpu"), rank)
+    nan = bench_patterns.make_inputs("relu_scale", 4, 64, torch.float32, torch.device("cpu"),
+                                     rank)
     got = torch.full_like(nan["x"], float("nan"))
-    found["nan"] = output_error(got, nan, lambda y, s: bench_patterns.eager_epilogue("relu_scale", y, s),
-                                None)
+    found["nan"] = output_error(
+        got, nan, lambda y, s: bench_patterns.eager_epilogue("relu_scale", y, s), None)
     return found
 
 
@@ -48,3 +51,32 @@ def test_output_check_passes_a_right_peer_and_fails_a_wrong_one_on_every_rank():
         assert alone and "fp32 reference" in alone, pattern
         assert one_rank_wrong and "fp32 reference" in one_rank_wrong, pattern
     assert per_rank[0]["nan"] and "inf" in per_rank[0]["nan"]
+
+
+def test_fused_variants_per_pattern():
+    """Which patterns one FlashInfer fusion kernel computes whole (and with which outputs, in the
+    eager epilogue's order); the others time its plain all-reduce (no residual or weight read)."""
+    import types
+
+    import torch
+
+    from infini_dist.launch import bench_patterns
+    from infini_dist.launch.peers_flashinfer import FlashInferPeers
+
+    codes = types.SimpleNamespace(kAllReduce=0, kARResidualRMSNorm=1,
+                                  kARResidualRMSNormFP8Quant=2,
+                                  kARResidualRMSNormDynamicFP8Quant=10)
+    peer = FlashInferPeers.__new__(FlashInferPeers)  # no workspace: _fused only reads the codes
+    peer.comm = types.SimpleNamespace(AllReduceFusionPattern=codes)
+    found = {}
+    for pattern in PATTERNS:
+        inputs = bench_patterns.make_inputs(pattern, 4, 32, torch.bfloat16, torch.device("cpu"),
+                                            0)
+        fused = peer._fused(pattern, inputs["x"], inputs, 1e-6, bench_patterns.FP8_SCALE)
+        found[pattern] = None if fused is None else (fused[0], fused[2])
+        if fused is not None and "scale_factor" in fused[1]:  # FlashInfer multiplies by 1/it
+            assert float(fused[1]["scale_factor"]) == float(torch.tensor(bench_patterns.FP8_SCALE))
+    assert found == {"add_rms_norm": (1, ("norm_out", "residual_out")),
+                     "add_rms_norm_fp8": (2, ("quant_out", "residual_out")),
+                     "add_rms_norm_fp8_token": (10, ("quant_out", "scale_out", "residual_out")),
+                     "swiglu": None, "relu_scale": None}

@@ -29,9 +29,8 @@ def test_above_native_lists_only_engine_rows_slower_than_native_beyond_noise():
 def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     out = tmp_path / "out"
     run = run_cli(tmp_path, "bench", "--nproc", "2", "--cpu-smoke", "--tokens", "2", "--hidden",
-                  "32", "--patterns", "add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_token", "--trials", "2",
-                  "--replays", "2", "--out",
-                  str(out), timeout=240)
+                  "32", "--patterns", "add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_token",
+                  "--trials", "2", "--replays", "2", "--out", str(out), timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     impls = {r["impl"] for r in data["rows"]}
