@@ -138,10 +138,11 @@ def run_variant(variant: str, tokens: int, args, device, dtype, control) -> dict
             forward = decide_then_recompile(model, tokens, args, device, dtype)
         sites_before, native_before = idc.stats["sites"], idc.stats["native_sites"]
         row = train_curve(model, forward, tokens, args, device, dtype, control)
+        # the IR ops of each kind of site that ran under this variant, forward and backward
+        ran = idc.decisions(infini_dist.config.snapshot()) if variant != "inductor" else []
     row.update(variant=variant, tokens=tokens, sites=idc.stats["sites"] - sites_before,
                native_sites=idc.stats["native_sites"] - native_before,
-               site_ops=sorted({d["op"] for d in idc.decisions()}) if variant != "inductor"
-               else [])  # the IR ops of each kind of site that ran, forward and backward
+               site_ops=sorted({d["op"] for d in ran}))
     return row
 
 

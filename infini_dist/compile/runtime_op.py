@@ -131,11 +131,13 @@ def _(inputs, graph):
     return evaluate_shapes(subgraph_from_json(graph), list(inputs))
 
 
-def decisions() -> list[dict]:
+def decisions(settings=None) -> list[dict]:
     """What each compiled site that ran decided so far (candidates, times, committed choice),
-    under whatever settings it ran with."""
+    under whatever settings it ran with, or only under `settings` (a config snapshot)."""
     rows = []
-    for (text, *_), executor in list(_EXECUTORS.items()):
+    for (text, ran_with, _), executor in list(_EXECUTORS.items()):
+        if settings is not None and ran_with != settings:
+            continue
         for runner in executor.site_runners():
             if runner.last_decision is not None:
                 ops = "+".join(n.op_type for n in executor.graph.nodes)
