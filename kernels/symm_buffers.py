@@ -68,6 +68,13 @@ def part_elements(buffer, element_size: int, parts: int) -> int:
     return buffer.data_bytes // element_size // parts // 64 * 64
 
 
+def upper_half_elements(buffer, element_size: int) -> int:
+    """Where the upper half of the buffer's data starts, in elements: the same byte offset
+    (256-byte aligned) for every element size, so a region placed there by a call of one dtype
+    is never reached by the lower region of a call of another."""
+    return buffer.data_bytes // 2 // 256 * 256 // element_size
+
+
 def _from_addresses(storage, bases, rank, world_size, data_bytes, handle=None) -> SymmBuffer:
     header = header_bytes(world_size)
     device = storage.device

@@ -17,7 +17,11 @@ No exit barrier is needed: every item has its own staging and gathered places, s
 nothing is written twice; a rank writes a peer's staging only in a later launch, after the last
 barrier of this one (so the peer has read its staging), and writes a peer's gathered copy only
 after a barrier of that later launch, which the peer reaches only once it has finished the
-previous launch, phase 3 included.
+previous launch, phase 3 included. The staging slots fill the lower half of the buffer and the
+gathered copy starts at its upper half, at offsets that do not depend on the shape: a peer that
+has passed the last barrier may start the next launch, of a bigger shape, while this rank still
+runs the last phase 3; placed after the staging of each shape, the gathered copy being read
+would lie under that bigger launch's staging.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.symm_buffers import slot_elements
+from infini_dist.kernels.symm_buffers import slot_elements, upper_half_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import fused_arguments, launch_layout
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, SymmTuning, finish_items,
@@ -34,17 +38,17 @@ from infini_dist.kernels.symm_device import (DEFAULT_TUNING, SymmTuning, finish_
 from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
-@triton.jit(do_not_specialize=["rank", "timeout_ns", "round_items"])
+@triton.jit(do_not_specialize=["gather_offset", "rank", "timeout_ns", "round_items"])
 def two_shot_all_reduce_kernel(
-        x_ptr, prologue, epilogue, data_table, signal_table, numel, rank, timeout_ns,
-        round_items, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
+        x_ptr, prologue, epilogue, data_table, signal_table, numel, gather_offset, rank,
+        timeout_ns, round_items, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
         BLOCK: tl.constexpr, SUB: tl.constexpr, SUB_BLOCK: tl.constexpr, GROUP: tl.constexpr,
         WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
     pid, programs, first_item, items = program_items(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
-    # Data area: W staging slots of items * SUB elements, then the gathered copy (like x).
+    # Data area: W staging slots of items * SUB elements; at gather_offset, the gathered copy.
     stage_stride = items * SUB
-    gathered = WORLD_SIZE * stage_stride
+    gathered = gather_offset
     local = peer_pointer(data_table, rank, dtype)
     staging_of, tile, tile_ok = staging_targets(data_table, 0, rank, stage_stride, dtype, ITEM,
                                                 SUB, SUB_BLOCK, WORLD_SIZE, WS_P2)
@@ -72,10 +76,11 @@ def two_shot_all_reduce_kernel(
 
 def two_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
                    norm: int = 0) -> int:
-    """Data bytes one call needs: the staging slots plus the gathered copy."""
+    """Data bytes one call needs: two halves the size of the staging slots (which hold at least
+    the tensor, so the gathered copy fits in one), and the halves' alignment."""
     layout = launch_layout(numel, row_len, norm, world_size)
-    items = triton.cdiv(numel, layout.item)
-    return (world_size * items * layout.sub + slot_elements(numel)) * element_size
+    staging = world_size * triton.cdiv(numel, layout.item) * layout.sub
+    return 2 * slot_elements(staging) * element_size + 512
 
 
 def round_items(items: int, grid: int, tuning: SymmTuning = DEFAULT_TUNING) -> int:
@@ -93,7 +98,8 @@ def two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     as in symm_chain.fused_arguments."""
     layout, head, kwargs = fused_arguments(x, buffer, out, **options)
     items = triton.cdiv(x.numel(), layout.item)
-    args = head + (buffer.data_table, buffer.signal_table, x.numel(), buffer.rank,
+    args = head + (buffer.data_table, buffer.signal_table, x.numel(),
+                   upper_half_elements(buffer, x.element_size()), buffer.rank,
                    tuning.timeout_ns, round_items(items, layout.grid, tuning))
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block,
                   GROUP=group_items(items, layout.grid, tuning))

@@ -170,6 +170,59 @@ def run_interpreted(monkeypatch, world_size, cases, data_bytes=1 << 18, all_poll
         assert len({bits for _, _, bits in results}) == 1, f"{case}: ranks differ"
 
 
+def late_rank(rank, world_size, storages, kernel_name):
+    """Rank W-1 sleeps at the start of every phase 3 (`finish_items` of the kernel's module), so
+    its last phase 3 of a small call runs after its peers have started a bigger one: the region
+    it reads then must not be one the peers' next call writes before its first barrier."""
+    import importlib
+    import time
+
+    import infini_dist
+    from infini_dist.kernels.symm_buffers import from_peer_tensors
+    algorithm = symm_algorithms()[kernel_name]
+    module = importlib.import_module(algorithm.kernel.launch.__module__)
+    if rank == world_size - 1:
+        finish = module.finish_items
+
+        def late(*args):
+            time.sleep(0.5)
+            return finish(*args)
+        module.finish_items = late  # the interpreter resolves the kernel's globals per call
+    ctx = RunContext(None, world_size, rank, torch.device("cuda"),
+                     settings=infini_dist.config.snapshot())
+    buffer = from_peer_tensors(storages, rank)
+    results = []
+    for pattern, shape, dtype in LATE_RANK_CASES:
+        graph = build(pattern)
+        plan = plan_span(full_span(graph), meta_of(graph, shape, dtype), ctx)
+        for call in range(2):
+            inputs = [make_inputs(graph, shape, dtype, r, call) for r in range(world_size)]
+            got = algorithm.launch(plan, inputs[rank], buffer, tuning_of(ctx.settings))
+            results.append((max_error(got, reference(graph, inputs, rank)), digest(got)))
+    return results
+
+
+# a small call, then a bigger one of another dtype (staging of the second far past the first's)
+LATE_RANK_CASES = [("swiglu", (3, 40), torch.float16), ("plain", (48, 256), torch.float32)]
+
+
+def run_with_a_late_rank(monkeypatch, kernel) -> None:
+    """late_rank on 3 interpreted ranks: every output within tolerance of the fp32 reference
+    and the same on every rank. For the barrier kernels (a Lamport buffer's empty pattern
+    depends on the dtype, so one buffer cannot serve both cases)."""
+    from infini_dist.kernels.symm_buffers import header_bytes
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    algorithm = algorithm_of(kernel)
+    assert not algorithm.kernel.lamport
+    storages = [torch.zeros(header_bytes(3) + (1 << 18), dtype=torch.uint8).share_memory_()
+                for _ in range(3)]
+    per_rank = run_ranks(late_rank, 3, storages, algorithm.name, timeout=600,
+                         env={"TRITON_INTERPRET": "1"})
+    for call, results in enumerate(zip(*per_rank)):
+        assert all(error <= 3e-2 for error, _ in results), (call, results)
+        assert len({bits for _, bits in results}) == 1, (call, "ranks differ")
+
+
 def run_on_gpus(tmp_path, kernel) -> None:
     """tests/gpu_symm_worker.py for `kernel`'s algorithm alone."""
     run_gpu_worker(tmp_path, "--quick", "--only", algorithm_of(kernel).name)
