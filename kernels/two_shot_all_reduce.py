@@ -38,7 +38,7 @@ from infini_dist.kernels.symm_device import (DEFAULT_TUNING, SymmTuning, finish_
 from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
-@triton.jit(do_not_specialize=["gather_offset", "rank", "timeout_ns", "round_items"])
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "round_items"])
 def two_shot_all_reduce_kernel(
         x_ptr, prologue, epilogue, data_table, signal_table, numel, gather_offset, rank,
         timeout_ns, round_items, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
