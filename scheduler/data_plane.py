@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import threading
 
 import torch
@@ -37,20 +38,36 @@ def bounded(timeout_s: float, step: str):
         _LIMIT.value = previous
 
 
-def all_reduce(tensor: torch.Tensor, group) -> None:
+def _bounded_call(name: str, call, tensor: torch.Tensor) -> None:
     limit = getattr(_LIMIT, "value", None)
     if limit is None or tensor.is_cuda:
-        dist.all_reduce(tensor, group=group)
+        call(async_op=False)
         return
     timeout_s, step = limit
     try:
-        dist.all_reduce(tensor, group=group, async_op=True).wait(
-            datetime.timedelta(seconds=timeout_s))
+        call(async_op=True).wait(datetime.timedelta(seconds=timeout_s))
     except Exception as error:  # gloo: timeout, or a peer that closed its connection
         raise DataPlaneError(
-            f"infini_dist: rank {dist.get_rank()}: a data-plane all_reduce at tuning step "
+            f"infini_dist: rank {dist.get_rank()}: a data-plane {name} at tuning step "
             f"{step!r} did not complete within {timeout_s:.0f}s; a peer failed or left the "
             f"lockstep, and the group's collectives are out of step. Cause: {error}") from error
+
+
+def all_reduce(tensor: torch.Tensor, group) -> None:
+    _bounded_call("all_reduce", lambda async_op: dist.all_reduce(tensor, group=group,
+                                                                 async_op=async_op), tensor)
+
+
+def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    """out = this rank's chunk (along dim 0) of the sum of `tensor` over the group."""
+    _bounded_call("reduce_scatter", lambda async_op: dist.reduce_scatter_tensor(
+        out, tensor, group=group, async_op=async_op), tensor)
+
+
+def all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    """out = every rank's `tensor`, in rank order along dim 0."""
+    _bounded_call("all_gather", lambda async_op: dist.all_gather_into_tensor(
+        out, tensor, group=group, async_op=async_op), tensor)
 
 
 def describe(error: BaseException) -> str:
@@ -73,3 +90,13 @@ def guarded(run, values: dict):
         except Exception as error:  # noqa: BLE001 - agreed on after the timing
             state["error"] = state["error"] or describe(error)
     return call, state
+
+
+def digest(values: dict) -> str:
+    """sha256 of named tensors' bytes: equal across ranks exactly when their bits are."""
+    h = hashlib.sha256()
+    for name in sorted(values):
+        t = values[name].detach().cpu().reshape(-1)  # 1-d: a 0-d tensor has no byte view
+        h.update(name.encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -31,7 +30,7 @@ from infini_dist.scheduler.control import ControlPlane, control_plane
 from infini_dist.scheduler.data_plane import describe
 from infini_dist.scheduler.lockstep import TuningError
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
-from infini_dist.scheduler.op_registry import close_enough, generation
+from infini_dist.scheduler.op_registry import close_enough, generation, get_op
 from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.shapes import site_meta
 
@@ -48,15 +47,6 @@ def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
                     live_outputs(graph, region))
 
 
-def _digest(values: dict) -> str:
-    h = hashlib.sha256()
-    for name in sorted(values):
-        t = values[name].detach().cpu().reshape(-1)  # 1-d: a 0-d tensor has no byte view
-        h.update(name.encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 class SiteRunner:
     """One site of one graph: its decision per token bucket, compiled per exact signature."""
 
@@ -68,7 +58,11 @@ class SiteRunner:
         self.sub = site_subgraph(graph, site)
         self.inputs = self.sub.input_names
         self.outputs = self.sub.output_names
-        self.has_collective = any(graph.nodes[a].op_type == "all_reduce" for a in site.anchors)
+        self.has_collective = any(get_op(graph.nodes[a].op_type).kind == "collective"
+                                  for a in site.anchors)
+        # Scatter and gather tie rows to ranks (dim 0 splits W ways): tuned per exact shape.
+        self.bucketed = not any(graph.nodes[i].op_type in ("reduce_scatter", "all_gather")
+                                for i in site.region)
         self.group_name = graph.nodes[site.anchors[0]].attr("group_name")
         self._committed: dict[tuple, Choice] = {}  # exact local signature -> compiled choice
         # Local signatures whose calls are agreed (agree_every_call) -> (key, on CUDA); empty
@@ -106,8 +100,11 @@ class SiteRunner:
         no communication, and shapes are all it reads (fake tensors do)."""
         values = {name: values[name] for name in self.inputs}
         group = resolve_group(self.group_name, group)
-        tokens = buckets.tokens_of(values, self.settings)
+        tokens = self._tokens(values)
         return self.decided_buckets().get((id(group),) + buckets.signature(values, tokens))
+
+    def _tokens(self, values: dict):
+        return buckets.tokens_of(values, self.settings) if self.bucketed else None
 
     def decided_buckets(self) -> dict:
         """Bucket signature -> the choice committed for it, per bucket decided in this process."""
@@ -170,7 +167,7 @@ class SiteRunner:
 
     def _decide_aside(self, values: dict, ctx: RunContext, plane: ControlPlane | None,
                       agreed: bool) -> Choice:
-        tokens = buckets.tokens_of(values, self.settings)
+        tokens = self._tokens(values)
         bucket = (id(ctx.group),) + buckets.signature(values, tokens)
         # Every new exact signature is agreed, inside a decided bucket too: ranks whose counts
         # differ but share a bucket would otherwise each compile for their own.
@@ -237,7 +234,7 @@ class SiteRunner:
                                   native=self._native_path(), **versions())
 
     def _about(self, values, ctx) -> dict:
-        tokens = buckets.tokens_of(values, self.settings)
+        tokens = self._tokens(values)
         return report.describe(self.sub, values, tokens and tokens.bound, ctx)
 
     def _native_path(self) -> str:
@@ -305,7 +302,7 @@ class SiteRunner:
                                 "by more than the tolerance", wrong, self.sub.signature()[:12])
                 elif wrong:
                     error = f"output {wrong} differs from the fp32 reference"
-                digest = _digest(out)
+                digest = data_plane.digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
                 error = describe(exc)
             if not lockstep.agree_failures(s, [choice], {choice.name: error}, plane,

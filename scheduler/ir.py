@@ -213,13 +213,14 @@ def prologue_chain(graph: SubGraph, anchor: int) -> tuple[int, ...]:
     # A coalesced all_reduce has several inputs; walking one of them would hide the others.
     if len(graph.nodes[anchor].inputs) != 1:
         return ()
+    position = op_registry.PROLOGUE_POSITION.get(graph.nodes[anchor].op_type, "prologue")
     while True:
         source = graph.nodes[current].inputs[0]
         index = producer.get(source)
         if index is None:
             break
         node = graph.nodes[index]
-        if not op_registry.may_fuse(node.op_type, "prologue"):
+        if not op_registry.may_fuse(node.op_type, position):
             break
         private = all(users.get(name, []) == [current] and name not in outputs
                       for name in node.outputs)
@@ -240,6 +241,9 @@ def epilogue_chain(graph: SubGraph, anchors: tuple[int, ...]) -> tuple[int, ...]
     chain: list[int] = []
     for index in range(anchors[-1] + 1, len(graph.nodes)):
         node = graph.nodes[index]
+        if is_gather_tail(graph, anchors, chain, index):
+            chain.append(index)  # the span ends with the gather
+            break
         if not op_registry.may_fuse(node.op_type, "epilogue"):
             break
         if not any(name in live for name in node.inputs):
@@ -250,6 +254,17 @@ def epilogue_chain(graph: SubGraph, anchors: tuple[int, ...]) -> tuple[int, ...]
         chain.append(index)
         live.update(node.outputs)
     return tuple(chain)
+
+
+def is_gather_tail(graph: SubGraph, anchors: tuple[int, ...], epilogue, index: int) -> bool:
+    """Whether node `index` is the all_gather that ends a sequence-parallel span: a
+    reduce_scatter, an epilogue on the shard, then the gather of an epilogue value over the same
+    group (reduce_scatter -> add + RMSNorm -> all_gather, the norm between two linears)."""
+    node, anchor = graph.nodes[index], graph.nodes[anchors[0]]
+    if (node.op_type != "all_gather" or anchor.op_type != "reduce_scatter" or not epilogue
+            or node.attr("group_name") != anchor.attr("group_name")):
+        return False
+    return node.inputs[0] in {n for i in epilogue for n in graph.nodes[i].outputs}
 
 
 def _coalescable_runs(graph: SubGraph) -> list[tuple[int, ...]]:
@@ -290,12 +305,15 @@ def find_sites(graph: SubGraph, fusion_types: Iterable[str] = ("epilogue", "prol
             continue
         anchors = grouped.get(index, (index,))
         seen.update(anchors)
+        op_type = graph.nodes[index].op_type
         per_anchor = tuple(prologue_chain(graph, a) if "prologue" in fusion_types else ()
                            for a in anchors)
-        custom = graph.nodes[index].op_type != "all_reduce"
-        if custom:  # user ops fuse only epilogues
+        if op_type not in op_registry.PROLOGUE_POSITION:  # user ops fuse only epilogues
             per_anchor = tuple(() for _ in anchors)
-        epilogue = epilogue_chain(graph, anchors) if "epilogue" in fusion_types else ()
+        # A gather's outputs are whole tensors the next (column-parallel) matmul reads.
+        epilogue = (epilogue_chain(graph, anchors)
+                    if "epilogue" in fusion_types and op_type != "all_gather" else ())
+        seen.update(epilogue)  # a span's closing all_gather is no anchor of its own
         prologue = tuple(sorted(i for chain in per_anchor for i in chain))
         sites.append(Site(anchors, prologue, epilogue, per_anchor))
     return sites

@@ -109,20 +109,24 @@ class InductorNativeChoice(Choice):
     """`native` for a compiled site: collectives through torch.distributed, epilogue by Inductor."""
 
     def __init__(self, graph, site):
+        # A sequence-parallel span ends in its all_gather, which runs after Inductor's part.
+        self.gather = tuple(i for i in site.epilogue
+                            if op_registry.get_op(graph.nodes[i].op_type).kind == "collective")
+        self.epilogue = tuple(i for i in site.epilogue if i not in self.gather)
         eager = tuple(i for i in site.region if i not in site.epilogue)
         super().__init__(NATIVE, [("nodes", eager)], graph, site)
-        self.epilogue_inputs = external_inputs(graph, site.epilogue)
-        self.epilogue_outputs = live_outputs(graph, site.epilogue)
+        self.epilogue_inputs = external_inputs(graph, self.epilogue)
+        self.epilogue_outputs = live_outputs(graph, self.epilogue)
         self._compiled = None
         self._key = None
         self._ready: set[tuple] = set()  # input shapes the compiled code has run with
 
     def precompile(self, meta, ctx) -> None:
         super().precompile(meta, ctx)
-        if self.site.epilogue:
+        if self.epilogue:
             # Keyed without the leading (token) dims: one compiled function serves every count,
             # and Dynamo's automatic dynamic shapes recompile it once at most.
-            self._key = epilogue_key([self.graph.nodes[i] for i in self.site.epilogue],
+            self._key = epilogue_key([self.graph.nodes[i] for i in self.epilogue],
                                      self.epilogue_inputs, self.epilogue_outputs,
                                      [(len(m.shape), m.shape[-1:], m.dtype, m.device)
                                       for m in (meta[n] for n in self.epilogue_inputs)])
@@ -137,9 +141,10 @@ class InductorNativeChoice(Choice):
     def run(self, inputs: dict) -> dict:
         env = dict(inputs)
         run_nodes(self.graph, self.steps[0][1], env, self._ctx, native=True)
-        if self.site.epilogue:
+        if self.epilogue:
             values = [env[n] for n in self.epilogue_inputs]
             env.update(zip(self.epilogue_outputs, self._epilogue(values)))
+        run_nodes(self.graph, self.gather, env, self._ctx, native=True)
         return {name: env[name] for name in self.outputs}
 
     def _epilogue(self, values) -> tuple:
@@ -166,5 +171,5 @@ class InductorNativeChoice(Choice):
                 self._compiled = None
                 _failed(self._key)
         env = dict(zip(self.epilogue_inputs, values))
-        run_nodes(self.graph, self.site.epilogue, env, self._ctx, native=True)
+        run_nodes(self.graph, self.epilogue, env, self._ctx, native=True)
         return tuple(env[n] for n in self.epilogue_outputs)

@@ -19,8 +19,9 @@ from infini_dist.scheduler import data_plane
 
 # kind -> where such an op may fuse around an anchor
 FUSION_RULES: dict[str, frozenset[str]] = {
-    "elementwise": frozenset({"prologue", "epilogue"}),
-    "rowwise": frozenset({"epilogue"}),  # row reductions (norms) need the whole reduced row
+    # gather_prologue: before an all_gather, on the rank's own rows, which it holds whole
+    "elementwise": frozenset({"prologue", "epilogue", "gather_prologue"}),
+    "rowwise": frozenset({"epilogue", "gather_prologue"}),  # norms need the whole reduced row
     "collective": frozenset(),
     "custom": frozenset(),
     "opaque": frozenset(),
@@ -37,6 +38,9 @@ class OpSpec:
     outputs_per_input: bool = False  # all_reduce: one output per (coalesced) input
     implementations: dict[str, Callable] = field(default_factory=dict, compare=False, hash=False)
     native: Callable | None = field(default=None, hash=False)  # None: fn
+    # A collective's outputs, empty, from its (fake or meta) inputs and attrs: what it returns
+    # without talking to anyone (shape inference; None: contiguous tensors like its inputs).
+    fake: Callable | None = field(default=None, hash=False)
 
     @property
     def is_anchor(self) -> bool:
@@ -111,9 +115,14 @@ def may_fuse(op_type: str, position: str) -> bool:
     if spec is None or position not in FUSION_RULES[spec.kind]:
         return False
     # A quantizing op (an out_dtype such as fp8) ends a chain: its value is stored, never reduced
-    # (no backend sums fp8), so it is no prologue.
+    # (no backend sums fp8), so it is no prologue of a reduction. Gathered, it is only copied.
     epilogue = SPECS.get(op_type)
-    return position == "epilogue" or epilogue is None or epilogue.out_dtype is None
+    return position != "prologue" or epilogue is None or epilogue.out_dtype is None
+
+
+# Where each anchor's prologue may come from (a reduction sums partials: elementwise only).
+PROLOGUE_POSITION = {"all_reduce": "prologue", "reduce_scatter": "prologue",
+                     "all_gather": "gather_prologue"}
 
 
 def run_node(op_type: str, tensors: list, attrs: dict, group=None, native: bool = False) -> tuple:
@@ -142,7 +151,68 @@ def all_reduce(*tensors, group=None, op: str = "sum", group_name: str | None = N
     return tuple(outs)
 
 
+def _group_size(group, group_size: int, op: str) -> None:
+    import torch.distributed as dist
+    actual = dist.get_world_size(group)
+    if actual != group_size:
+        raise ValueError(f"{op}: the graph was traced for a group of {group_size} ranks, but the "
+                         f"group has {actual}")
+
+
+def _chunks(tensor: torch.Tensor, group_size: int, op: str) -> int:
+    if tensor.dim() == 0 or tensor.shape[0] % group_size:
+        raise ValueError(f"{op}: dim 0 of a {tuple(tensor.shape)} tensor does not split into "
+                         f"{group_size} equal chunks")
+    return tensor.shape[0] // group_size
+
+
+def reduce_scatter(tensor, group=None, op: str = "sum", group_size: int = 1,
+                   group_name: str | None = None):
+    """This rank's chunk along dim 0 of the tensor summed over the group (the group's ranks in
+    order), as torch's functional reduce_scatter_tensor."""
+    if op != "sum":
+        raise ValueError(f"reduce_scatter supports op='sum' only, got {op!r}")
+    _group_size(group, group_size, "reduce_scatter")
+    out = _reduce_scatter_fake(tensor, group_size=group_size)
+    data_plane.reduce_scatter(out, tensor.contiguous(), group)
+    return out
+
+
+def _reduce_scatter_fake(tensor, group_size: int = 1, **_):
+    rows = _chunks(tensor, group_size, "reduce_scatter")
+    return torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                       device=tensor.device)
+
+
+def all_gather(tensor, group=None, group_size: int = 1, group_name: str | None = None):
+    """Every rank's tensor, stacked along dim 0 in rank order (all_gather_into_tensor)."""
+    _group_size(group, group_size, "all_gather")
+    out = _all_gather_fake(tensor, group_size=group_size)
+    data_plane.all_gather(out, tensor.contiguous(), group)
+    return out
+
+
+def _all_gather_fake(tensor, group_size: int = 1, **_):
+    if tensor.dim() == 0:
+        raise ValueError("all_gather: a 0-d tensor has no dim 0 to gather along")
+    return torch.empty((tensor.shape[0] * group_size,) + tuple(tensor.shape[1:]),
+                       dtype=tensor.dtype, device=tensor.device)
+
+
+def fake_outputs(op_type: str, tensors: list, attrs: dict) -> tuple:
+    """A collective's outputs, empty: shapes and dtypes without communication."""
+    spec = get_op(op_type)
+    if spec.fake is None:
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
+    result = spec.fake(*tensors, **attrs)
+    return result if isinstance(result, tuple) else (result,)
+
+
 _REGISTRY["all_reduce"] = OpSpec("all_reduce", all_reduce, "collective", outputs_per_input=True)
+_REGISTRY["reduce_scatter"] = OpSpec("reduce_scatter", reduce_scatter, "collective",
+                                     num_inputs=1, fake=_reduce_scatter_fake)
+_REGISTRY["all_gather"] = OpSpec("all_gather", all_gather, "collective", num_inputs=1,
+                                 fake=_all_gather_fake)
 for _spec in SPECS.values():  # the epilogue ops, each defined once in kernels/epilogue
     register_op(_spec.name, _spec.reference, kind=_spec.kind, num_inputs=_spec.arity,
                 num_outputs=_spec.num_outputs, native=_spec.native)

@@ -18,15 +18,14 @@ def _custom_op_call(name: str, tensors: list, attrs: dict):
 
 
 def shape_env(nodes, env: dict) -> dict:
-    """`env` plus every node's outputs, for fake or meta tensors: a collective gives contiguous
-    tensors like its inputs, a user anchor its fake, any other op its reference."""
+    """`env` plus every node's outputs, for fake or meta tensors: a collective gives its fake
+    outputs (op_registry.fake_outputs), a user anchor its fake, any other op its reference."""
     env = dict(env)
     for node in nodes:
         tensors = [env[name] for name in node.inputs]
         spec = op_registry.get_op(node.op_type)
         if spec.kind == "collective":
-            results = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                            for t in tensors)
+            results = op_registry.fake_outputs(node.op_type, tensors, node.attr_dict)
         elif spec.kind == "custom":
             results = _custom_op_call(node.op_type, tensors, node.attr_dict)
         else:

@@ -1,12 +1,15 @@
 """Finding sites in a post-grad FX graph.
 
-A site is an anchor (an all_reduce with its wait, or a call to a user op registered with
-infini_dist) plus what may fuse with it, in IR ops:
+A site is an anchor (a functional all_reduce, reduce_scatter or all_gather with its wait, or a
+call to a user op registered with infini_dist) plus what may fuse with it, in IR ops:
 
-    prologue: elementwise producers that feed only the all_reduce (walked back along input 0)
-    anchors:  the all_reduce, or several adjacent independent all_reduces on one group
+    prologue: producers that feed only the collective (walked back along input 0): elementwise
+              ops before a reduction, norms too before an all_gather (they run on whole rows)
+    anchors:  the collective, or several adjacent independent all_reduces on one group
     epilogue: the ops after it that read the site's values, in graph order; their other inputs
-              must not depend on the site
+              must not depend on the site. After a reduce_scatter, an all_gather of an epilogue
+              value on the same group closes the span (sequence parallelism's norm between a
+              row-parallel and a column-parallel linear)
 
 The whole site becomes one op placed after its last compute node, so the site is trimmed (last
 epilogue op first, then the last coalesced anchor) until every value read outside it is read
@@ -26,7 +29,13 @@ from infini_dist.scheduler import op_registry
 from infini_dist.compile import fx_patterns
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+# functional collective -> (IR op, its arguments after the input; "op" must be a sum)
+COLLECTIVES = {ALL_REDUCE: ("all_reduce", ("op", "group_name")),
+               REDUCE_SCATTER: ("reduce_scatter", ("op", "group_size", "group_name")),
+               ALL_GATHER: ("all_gather", ("group_size", "group_name"))}
 _ATTR_TYPES = (bool, int, float, str, type(None))
 
 
@@ -90,19 +99,27 @@ def is_collective(node: fx.Node, custom: frozenset) -> bool:
 
 # ---- anchors -------------------------------------------------------------------------------------
 
-def all_reduce_anchor(node: fx.Node) -> IROp | None:
-    if node.op != "call_function" or node.target is not ALL_REDUCE:
+def collective_anchor(node: fx.Node) -> IROp | None:
+    """A functional all_reduce, reduce_scatter_tensor or all_gather_into_tensor (a sum where it
+    reduces) whose result is only waited on, as its IR op."""
+    if node.op != "call_function" or node.target not in COLLECTIVES:
         return None
-    source, reduce_op, group_name = (list(node.args) + [None] * 3)[:3]
+    op_type, names = COLLECTIVES[node.target]
+    source, values = node.args[0], node.args[1:1 + len(names)]
+    if len(values) != len(names):
+        return None
+    attrs = dict(zip(names, values))
+    if "op" in attrs:
+        attrs["op"] = str(attrs["op"]).lower()
     users = list(node.users)
-    if (str(reduce_op).lower() != "sum" or not isinstance(group_name, str)
+    if (attrs.get("op", "sum") != "sum" or not isinstance(attrs["group_name"], str)
+            or not isinstance(attrs.get("group_size", 1), int)
             or not _is_tensor(source) or len(users) != 1 or users[0].target is not WAIT):
         return None
     waits = [users[0]]
     while len(waits[-1].users) == 1 and next(iter(waits[-1].users)).target is WAIT:
         waits.append(next(iter(waits[-1].users)))  # dynamo may wait again on the waited value
-    return IROp("all_reduce", [source], [waits[-1]], {"op": "sum", "group_name": group_name},
-                frozenset([node, *waits]))
+    return IROp(op_type, [source], [waits[-1]], attrs, frozenset([node, *waits]))
 
 
 def custom_anchor(node: fx.Node, custom: frozenset) -> IROp | None:
@@ -203,6 +220,7 @@ def _best(found: list) -> tuple | None:
 
 
 def _prologue(anchor: IROp, region: frozenset, depth: int) -> list:
+    position = op_registry.PROLOGUE_POSITION[anchor.op_type]
     chain: list = []
     consumer_nodes = anchor.nodes
     value = anchor.inputs[0]
@@ -212,10 +230,13 @@ def _prologue(anchor: IROp, region: frozenset, depth: int) -> list:
             break
         found = []
         for template in fx_patterns.templates(*_key(value)):
-            if not op_registry.may_fuse(template.form.op_type, "prologue"):
+            if not op_registry.may_fuse(template.form.op_type, position):
                 continue
             match = fx_patterns.match_at(template, value)
-            if match is not None and not match.nodes & region:
+            # A prologue's values are private to the site: no interior value read elsewhere
+            # (a training graph's saved rsqrt), no second output.
+            if (match is not None and not match.nodes & region and match.exposed is None
+                    and not any(n is not None for n in match.further)):
                 found.append(match)
         match = max(found, key=lambda m: len(m.nodes), default=None)
         if match is None:
@@ -322,6 +343,22 @@ def _folds_into(epilogue: list, match) -> bool:
             and epilogue[-1].op_type == "add" and match.inputs[0] is epilogue[-1].outputs[0])
 
 
+def _gather_tail(site: FxSite) -> None:
+    """A reduce_scatter's epilogue whose value is all-gathered over the same group: the gather
+    closes the span (sequence parallelism's reduce_scatter -> add + RMSNorm -> all_gather)."""
+    anchor = site.anchors[0]
+    if anchor.op_type != "reduce_scatter" or not site.epilogue:
+        return
+    live = [n for op in site.epilogue for n in op.outputs if n is not None]
+    for value in live:
+        for user in value.users:
+            gather = collective_anchor(user)
+            if (gather is not None and gather.op_type == "all_gather"
+                    and gather.attrs["group_name"] == anchor.attrs["group_name"]):
+                site.epilogue.append(gather)
+                return
+
+
 # ---- coalescing and placement --------------------------------------------------------------------
 
 def _next_collective(g: GraphIndex, after: fx.Node):
@@ -338,8 +375,9 @@ def _coalesce(g: GraphIndex, first: IROp) -> list:
     node = next(iter(first.nodes - first.projections))
     while True:
         node = _next_collective(g, node)
-        candidate = all_reduce_anchor(node) if node is not None else None
-        if candidate is None or candidate.attrs != first.attrs:
+        candidate = collective_anchor(node) if node is not None else None
+        if (candidate is None or candidate.op_type != "all_reduce"
+                or candidate.attrs != first.attrs):
             return group
         region = frozenset(n for a in group for n in a.nodes)
         if g.depends_on(candidate.inputs[0], region):
@@ -375,13 +413,16 @@ def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> FxSite:
     anchors = _coalesce(g, anchor) if is_all_reduce and "cross_subgraph" in types else [anchor]
     region = frozenset(n for a in anchors for n in a.nodes)
     prologue_of = []
+    with_prologue = anchor.op_type in op_registry.PROLOGUE_POSITION and "prologue" in types
     for a in anchors:
-        chain = _prologue(a, region, depth) if is_all_reduce and "prologue" in types else []
+        chain = _prologue(a, region, depth) if with_prologue else []
         prologue_of.append(chain)
         region = region | frozenset(n for op in chain for n in op.nodes)
     site = FxSite(anchors, prologue_of)
-    if "epilogue" in types and depth > 0:
+    # A gather's result is a whole tensor for the next column-parallel matmul: no epilogue.
+    if "epilogue" in types and depth > 0 and anchor.op_type != "all_gather":
         _epilogue(g, site, depth)
+        _gather_tail(site)
     while not _fits(g, site):
         if site.epilogue:
             _pop_epilogue(site)

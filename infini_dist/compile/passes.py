@@ -1,5 +1,6 @@
-"""The post-grad pass: every all_reduce (and registered user op) with its chains -> one
-`infini_dist.fused_site` call.
+"""The post-grad pass: every all_reduce, reduce_scatter and all_gather (and registered user op)
+with its chains -> one `infini_dist.fused_site` call. A reduce_scatter whose epilogue value is
+all-gathered (sequence parallelism) is one site with its gather.
 
 Pattern (post-grad FX, after Inductor's decompositions):
 
@@ -139,6 +140,12 @@ def _known_site(index: matching.GraphIndex, anchor: matching.IROp, settings: Set
     return site, sub.canonical(), inputs, outputs
 
 
+def _bare_nccl_only(site: matching.FxSite) -> bool:
+    """A reduce_scatter or all_gather with nothing to fuse: we have no kernel of our own for
+    either alone, so the site could only run NCCL, as Inductor does without the dispatch."""
+    return len(site.ops) == 1 and site.anchors[0].op_type in ("reduce_scatter", "all_gather")
+
+
 def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
     """Rewrite every site of `graph` in place; returns the SubGraph text of each."""
     stats["graphs"] += 1
@@ -153,15 +160,18 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
         for node in graph.nodes:
             if node in skipped or node.op != "call_function":
                 continue
-            found = matching.all_reduce_anchor(node) or matching.custom_anchor(node, custom)
+            found = matching.collective_anchor(node) or matching.custom_anchor(node, custom)
             if found is not None:
                 break
-            if node.target is matching.ALL_REDUCE:
+            if node.target in matching.COLLECTIVES:
                 skipped.add(node)  # not a sum, or its result is used without a wait
         if found is None:
             break
         index = matching.GraphIndex(graph, custom)
         site, text, inputs, outputs = _known_site(index, found, settings)
+        if text is not None and _bare_nccl_only(site):
+            skipped.add(node)  # nothing of ours could run it: Inductor's own code, no dispatch
+            continue
         if text is None:
             skipped.add(node)  # Inductor's own code: no dispatch, no fusion boundary
             stats["native_sites"] += 1

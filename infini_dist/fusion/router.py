@@ -150,10 +150,14 @@ def _global_flags() -> tuple:
     return tuple(getattr(infini_dist.config, name) for name in FLAGS)
 
 
+def _is_collective(node) -> bool:
+    return op_registry.get_op(node.op_type).kind == "collective"
+
+
 def _collective_group(graph: SubGraph, group):
-    """The group the graph's all_reduces run on: the first one's group_name attr, else `group`."""
+    """The group the graph's collectives run on: the first one's group_name attr, else `group`."""
     named = next((node.attr("group_name") for node in graph.nodes
-                  if node.op_type == "all_reduce" and node.attr("group_name")), None)
+                  if _is_collective(node) and node.attr("group_name")), None)
     return choices.resolve_group(named, group)
 
 
@@ -300,7 +304,7 @@ class FusionScheduler:
         self._bump("misses")
         settings = self._settings(flags, config_key)
         route = choose_route(graph, tuple(shape for shape, _ in signature), self.config, settings)
-        collective = any(node.op_type == "all_reduce" for node in graph.nodes)
+        collective = any(_is_collective(node) for node in graph.nodes)
         ranks = _collective_group(graph, group) if collective else None
         call_key = None
         if collective and group_size(ranks) > 1:

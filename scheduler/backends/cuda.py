@@ -1,4 +1,4 @@
-"""Registers the GPU algorithms for all_reduce sites; the engine imports this on first CUDA use.
+"""Registers the GPU algorithms for collective sites; the engine imports this on first CUDA use.
 
 Each backend is optional: one whose module fails to import (no ninetoothed, an old Triton) is left
 out with a warning, and the engine still has the native NCCL path and the other backends.
@@ -13,20 +13,25 @@ log = logging.getLogger("infini_dist")
 
 def _nccl_epilogue():
     from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm
-    return [NcclEpilogueAlgorithm()]
+    return [("all_reduce", NcclEpilogueAlgorithm())]
 
 
 def _symm():
     from infini_dist.scheduler.backends.symm import algorithms
-    return algorithms()
+    return [("all_reduce", algorithm) for algorithm in algorithms()]
 
 
-for backend in (_nccl_epilogue, _symm):
+def _symm_scatter():
+    from infini_dist.scheduler.backends.symm_scatter import SymmScatterGather
+    return [("reduce_scatter", SymmScatterGather())]
+
+
+for backend in (_nccl_epilogue, _symm, _symm_scatter):
     try:
         algorithms = backend()
     except Exception as error:  # noqa: BLE001 - a missing backend must not break the others
         log.warning("infini_dist: GPU backend %s unavailable: %s", backend.__name__.strip("_"),
                     error)
         continue
-    for algorithm in algorithms:
-        register_algorithm("all_reduce", "cuda", algorithm)
+    for op_type, algorithm in algorithms:
+        register_algorithm(op_type, "cuda", algorithm)

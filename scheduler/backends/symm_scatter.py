@@ -1,0 +1,198 @@
+"""The engine's algorithm over kernels/reduce_scatter_all_gather: `symm_scatter_gather`, a
+reduce_scatter, its epilogue on the shard and, where the span ends in one, the all_gather of the
+epilogue's value, all in one launch.
+
+The epilogue is planned as the all-reduce kernels plan theirs (symm.plan_span), on a stand-in
+span whose all_reduce has the shard's shape: the same chains, norms, rsqrt and quantizers, at
+shard-local offsets. What the epilogue stores as `out` is the value gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from infini_dist.kernels import reduce_scatter_all_gather as kernel_module
+from infini_dist.kernels import symm_buffers
+from infini_dist.kernels.nt_runtime import FastLaunch
+from infini_dist.kernels.symm_chain import fused_arguments
+from infini_dist.kernels.symm_device import DEFAULT_TUNING
+from infini_dist.scheduler.backends.symm import SpanPlan, plan_span, tuning_of
+from infini_dist.scheduler.choices import Algorithm, FusedSpan, TensorMeta
+from infini_dist.scheduler.ir import OpNode, SubGraph
+
+MAX_BYTES = 256 << 20  # the input; its buffer holds two copies of it
+KIND = "reduce_scatter_all_gather"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScatterPlan:
+    epilogue: SpanPlan       # over the shard: `out` is the value gathered
+    gathered: str | None     # the all_gather's output, if the span ends in one
+    full_shape: tuple        # the reduce_scatter's input
+    outputs: tuple           # the span's live outputs
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.epilogue.shape[:-1])
+
+    @property
+    def shard_numel(self) -> int:
+        return self.epilogue.numel
+
+
+def plan_scatter(span, meta, ctx) -> ScatterPlan | None:
+    """The launch plan for `span`, or None where the kernel cannot run it (pure, like every
+    `supports`)."""
+    graph = span.graph
+    if span.prologue or len(span.anchors) != 1 or ctx.device.type != "cuda":
+        return None
+    anchor = graph.nodes[span.anchors[0]]
+    if (anchor.op_type != "reduce_scatter" or anchor.attr("op", "sum") != "sum"
+            or anchor.attr("group_size") != ctx.world_size):
+        return None
+    nodes = list(span.nodes(span.epilogue))
+    gather = nodes.pop() if nodes and nodes[-1].op_type == "all_gather" else None
+    if any(n.op_type in ("all_gather", "reduce_scatter", "all_reduce") for n in nodes):
+        return None
+    source, shard = anchor.inputs[0], anchor.outputs[0]
+    full, part = meta.get(source), meta.get(shard)
+    if full is None or part is None or len(part.shape) < 1 or not part.shape[-1]:
+        return None
+    # The stand-in: all_reduce(source) -> the epilogue, `source` with the shard's shape. Its
+    # outputs: the span's, the gathered value in place of the gather's output.
+    outputs = [n for n in span.outputs if gather is None or n != gather.outputs[0]]
+    if gather is not None and gather.inputs[0] not in outputs:
+        outputs.append(gather.inputs[0])
+    stand_in = SubGraph((OpNode("all_reduce", (source,), (shard,)),) + tuple(nodes),
+                        span.inputs, tuple(outputs))
+    meta = dict(meta, **{source: TensorMeta(part.shape, full.dtype, full.device, True)})
+    plan = plan_span(FusedSpan(stand_in, (), (0,), tuple(range(1, len(nodes) + 1))), meta,
+                     dataclasses.replace(ctx, world_size=max(ctx.world_size, 2)))
+    if plan is None or plan.prologue or plan.reduced is not None:
+        return None  # a training graph's raw shard: the shard is never stored whole
+    if gather is not None and (gather.inputs[0] != plan.out or gather.attr("group_name")
+                               != anchor.attr("group_name")):
+        return None
+    return ScatterPlan(plan, gather.outputs[0] if gather is not None else None,
+                       tuple(full.shape), tuple(span.outputs))
+
+
+class SymmScatterGather(Algorithm):
+    name = "symm_scatter_gather"
+
+    def supports(self, span, meta, ctx) -> bool:
+        plan = plan_scatter(span, meta, ctx)
+        return (plan is not None and ctx.world_size > 1 and ctx.single_host
+                and math.prod(plan.full_shape) * plan.epilogue.dtype.itemsize <= MAX_BYTES)
+
+    def data_bytes(self, plan: ScatterPlan, world_size: int) -> int:
+        out = plan.epilogue.out_dtype or plan.epilogue.dtype
+        size = max(plan.epilogue.dtype.itemsize, out.itemsize)
+        return kernel_module.data_bytes(plan.shard_numel, size, world_size)
+
+    def arguments(self, plan: ScatterPlan, tensors: dict, buffer, written: dict, gathered,
+                  tuning=DEFAULT_TUNING):
+        """(kernel, grid, args, kwargs) of one launch; `written` by SpanPlan.writes keyword."""
+        e = plan.epilogue
+        x = tensors[e.source]
+        if plan.gathered is not None:  # `out` goes to this rank's gathered region
+            written = dict(written, out=kernel_module.local_region(
+                buffer, e.out_dtype or e.dtype, plan.shard_numel))
+        _, head, kwargs = fused_arguments(
+            x, buffer, epilogue=e.epilogue, sides=tensors, norm=e.norm,
+            weight=tensors[e.weight] if e.weight else None,
+            bias=tensors[e.bias] if e.bias else None,
+            residual=tensors[e.residual] if e.residual else None, eps=e.eps,
+            row_len=e.shape[-1], quant=e.quant, quant_scale=e.quant_scale, **written)
+        block, grid, warps = kernel_module.layout(plan.rows, e.shape[-1])
+        for key in ("ITEM", "BLOCK", "num_warps"):
+            kwargs.pop(key)
+        out_dtype = e.out_dtype or e.dtype
+        args = head + (x if gathered is None else gathered, buffer.data_table,
+                       buffer.signal_table, plan.rows,
+                       symm_buffers.upper_half_elements(buffer, out_dtype.itemsize), buffer.rank,
+                       tuning.timeout_ns)
+        kwargs.update(ROW=e.shape[-1], BLOCK=block, GATHER=plan.gathered is not None,
+                      num_warps=warps)
+        return kernel_module.reduce_scatter_all_gather_kernel, (grid,), args, kwargs
+
+    @staticmethod
+    def _outputs(plan: ScatterPlan, device) -> tuple[dict, torch.Tensor | None]:
+        written = plan.epilogue.allocate(device)
+        gathered = None
+        if plan.gathered is not None:
+            e = plan.epilogue
+            gathered = torch.empty((plan.full_shape[0],) + tuple(e.shape[1:]),
+                                   dtype=e.out_dtype or e.dtype, device=device)
+            del written["out"]
+        return written, gathered
+
+    @staticmethod
+    def _results(plan: ScatterPlan, written: dict, gathered, rank: int) -> dict:
+        values = {}
+        slot = {getattr(plan.epilogue, k): k for k in plan.epilogue.writes}
+        for name in plan.outputs:
+            if name == plan.gathered:
+                values[name] = gathered
+            elif slot.get(name) == "out" and gathered is not None:  # this rank's own rows
+                rows = plan.epilogue.shape[0]
+                values[name] = gathered[rank * rows:(rank + 1) * rows]
+            else:
+                values[name] = written[slot[name]]
+        return values
+
+    def launch(self, plan, env, buffer, tuning=DEFAULT_TUNING) -> dict:
+        """One launch through Triton's normal path; inputs of any layout."""
+        tensors = {n: env[n].contiguous() for n in plan.epilogue.tensor_inputs}
+        device = tensors[plan.epilogue.source].device
+        written, gathered = self._outputs(plan, device)
+        kernel, grid, args, kwargs = self.arguments(plan, tensors, buffer, written, gathered,
+                                                    tuning)
+        kernel[grid](*args, **kwargs)
+        return self._results(plan, written, gathered, buffer.rank)
+
+    def compile(self, span, meta, ctx):
+        plan = plan_scatter(span, meta, ctx)
+        if plan is None:
+            raise ValueError(f"{self.name}: span not supported")
+        data_bytes = self.data_bytes(plan, ctx.world_size)
+        tuning = tuning_of(ctx.settings)
+        fast = ctx.settings.fast_launch if ctx.settings is not None else True
+        names = plan.epilogue.tensor_inputs
+        with torch.cuda.device(ctx.device):
+            # Warm-up: compile and run once on private scratch with pre-satisfied barriers.
+            scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
+                       for n in names}
+            buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)
+            self.launch(plan, scratch, buffer, tuning)
+            torch.cuda.synchronize(ctx.device)
+            del scratch, buffer
+        state = {}
+
+        def run(env):
+            tensors = [env[n] for n in names]
+            launch = state.get("launch")
+            if launch is None:  # collective; the engine's first call is eager and in lockstep
+                buffer = state["buffer"] = symm_buffers.get_buffer(
+                    ctx.group, ctx.device, KIND, data_bytes, 0)
+                state["shapes"] = [t.shape for t in tensors]
+                stand = {n: env[n].view(env[n].shape) for n in names}
+                written = {k: object() for k in plan.epilogue.writes if k != "out"
+                           or plan.gathered is None}
+                gathered = object() if plan.gathered is not None else None
+                kernel, grid, args, kwargs = self.arguments(plan, stand, buffer, written,
+                                                            gathered, tuning)
+                per_call = [stand[n] for n in names] + list(written.values()) + (
+                    [gathered] if gathered is not None else [])
+                launch = state["launch"] = FastLaunch(kernel, grid, args, kwargs, per_call,
+                                                      enabled=fast)
+            if any(t.shape != s or not t.is_contiguous()
+                   for t, s in zip(tensors, state["shapes"])):
+                return self.launch(plan, env, state["buffer"], tuning)
+            written, gathered = self._outputs(plan, tensors[0].device)
+            launch(*tensors, *written.values(), *([gathered] if gathered is not None else []))
+            return self._results(plan, written, gathered, state["buffer"].rank)
+        return run

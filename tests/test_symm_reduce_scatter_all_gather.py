@@ -1,0 +1,183 @@
+"""kernels/reduce_scatter_all_gather through its engine algorithm (symm_scatter_gather), on
+Triton-interpreted CPU ranks whose "symmetric" buffers are shared memory: every output against
+the unfused reference (the sum in fp32, rounded once, scattered, the epilogue's references,
+gathered), gathered outputs bitwise equal on every rank, shapes changing between calls on one
+buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infini_dist.scheduler.choices import FusedSpan, RunContext, algorithms_for, run_nodes
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from multirank import run_ranks
+from symm_cases import CPU, digest, max_error
+
+F32, BF16 = torch.float32, torch.bfloat16
+EPS = {"eps": 1e-5}
+
+
+def _graph(world: int, pattern: str) -> SubGraph:
+    """reduce_scatter(x) -> epilogue on the shard (-> all_gather), as the pass writes them."""
+    scatter = OpNode("reduce_scatter", ("x",), ("y",),
+                     {"op": "sum", "group_size": world, "group_name": "g"})
+    gather = OpNode("all_gather", ("n",), ("g",), {"group_size": world, "group_name": "g"})
+    norm = OpNode("add_rms_norm", ("y", "res", "w"), ("n", "s"), EPS)
+    if pattern == "norm_gather":  # between two linears: the next layer reads the gathered norm
+        return SubGraph((scatter, norm, gather), ("x", "res", "w"), ("s", "g"))
+    if pattern == "train_gather":  # a training forward also keeps the rsqrt
+        return SubGraph((scatter, norm, OpNode("rms_rstd", ("s",), ("t",), EPS), gather),
+                        ("x", "res", "w"), ("s", "t", "g"))
+    if pattern == "final_norm":  # the last layer: no gather
+        return SubGraph((scatter, norm), ("x", "res", "w"), ("n", "s"))
+    if pattern == "fp8_gather":  # FP8 rows gathered, the residual kept in the input dtype
+        quant = OpNode("quant_fp8_per_token", ("n",), ("q", "qs"))
+        fp8_gather = OpNode("all_gather", ("q",), ("g",), {"group_size": world,
+                                                            "group_name": "g"})
+        return SubGraph((scatter, norm, quant, fp8_gather), ("x", "res", "w"), ("s", "qs", "g"))
+    assert pattern == "backward"  # a norm's backward after the gradient's reduce_scatter
+    return SubGraph((scatter, OpNode("mul", ("y", "res"), ("a",)),
+                     OpNode("mul", ("y", "w"), ("b",))), ("x", "res", "w"), ("a", "b"))
+
+
+def _inputs(graph, world, shape, dtype, rank, call) -> dict:
+    shard = (shape[0] // world,) + tuple(shape[1:])
+    values = {}
+    for index, name in enumerate(graph.input_names):
+        gen = torch.Generator().manual_seed(1000 * call + (rank + 1 if name == "x" else 50 + index))
+        size = shape if name == "x" else (shape[-1],) if name == "w" and "rms" in str(
+            graph.nodes) else shard
+        t = torch.randn(size, generator=gen)
+        values[name] = (0.5 + t.abs() if name == "w" and size == (shape[-1],) else t).to(dtype)
+    return values
+
+
+def _epilogue(graph) -> range:
+    return range(1, len(graph.nodes) - (graph.nodes[-1].op_type == "all_gather"))
+
+
+def _finish(graph, envs: list) -> None:
+    """Each rank's epilogue on its shard `y`, then the gather (every rank's value, in order)."""
+    for env in envs:
+        run_nodes(graph, _epilogue(graph), env, CPU)
+    if graph.nodes[-1].op_type == "all_gather":
+        gathered = torch.cat([env[graph.nodes[-1].inputs[0]] for env in envs])
+        for env in envs:
+            env["g"] = gathered
+
+
+def _reference(graph, inputs_per_rank, rank, world) -> dict:
+    """The sum in fp64, rounded once to the dtype like the reduce_scatter, then unfused."""
+    total = sum(v["x"].double() for v in inputs_per_rank).to(inputs_per_rank[0]["x"].dtype)
+    envs = [dict(inputs_per_rank[r], y=total.chunk(world)[r]) for r in range(world)]
+    _finish(graph, envs)
+    return {n: envs[rank][n] for n in graph.output_names}
+
+
+def _meta(graph, world, shape, dtype) -> dict:
+    """TensorMeta of every value (device "cuda", which plans need) from one CPU pass."""
+    from infini_dist.scheduler.choices import TensorMeta
+    inputs = _inputs(graph, world, shape, dtype, 0, 0)
+    envs = [dict(inputs, y=inputs["x"].chunk(world)[0].clone()) for _ in range(world)]
+    _finish(graph, envs)
+    return {n: TensorMeta(tuple(v.shape), v.dtype, torch.device("cuda"), True)
+            for n, v in envs[0].items()}
+
+
+CASES = [("norm_gather", (6, 40), F32), ("train_gather", (4, 3, 64), F32),
+         ("final_norm", (6, 40), F32),
+         ("norm_gather", (258, 8), F32),   # more shard rows than programs
+         ("norm_gather", (4, 64), BF16), ("fp8_gather", (6, 40), BF16)]
+
+
+def scatter_rank(rank, world, storages, cases):
+    import infini_dist
+    from infini_dist.kernels.symm_buffers import from_peer_tensors
+    from infini_dist.scheduler.backends.symm import tuning_of
+    from infini_dist.scheduler.backends.symm_scatter import plan_scatter
+    ctx = RunContext(None, world, rank, torch.device("cuda"),
+                     settings=infini_dist.config.snapshot())
+    (algorithm,) = [a for a in algorithms_for("reduce_scatter", "cuda")]
+    buffer = from_peer_tensors(storages, rank)
+    results = []
+    for pattern, shape, dtype in cases:
+        shape = (shape[0] * world // 2,) + tuple(shape[1:])  # the same shard rows per rank
+        graph = _graph(world, pattern)
+        span = FusedSpan(graph, (), (0,), tuple(range(1, len(graph.nodes))))
+        meta = _meta(graph, world, shape, dtype)
+        plan = plan_scatter(span, meta, ctx)
+        assert plan is not None, pattern
+        assert algorithm.supports(span, meta, ctx)
+        assert algorithm.data_bytes(plan, world) <= buffer.data_bytes
+        for call in range(2):
+            inputs = [_inputs(graph, world, shape, dtype, r, call) for r in range(world)]
+            got = algorithm.launch(plan, inputs[rank], buffer, tuning_of(ctx.settings))
+            expected = _reference(graph, inputs, rank, world)
+            gathered = {n: v for n, v in got.items() if n == "g"}
+            results.append(((pattern, shape, str(dtype), call), max_error(got, expected),
+                            digest(gathered)))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_interpreted(monkeypatch, world):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from infini_dist.kernels.symm_buffers import header_bytes
+    storages = [torch.zeros(header_bytes(world) + (1 << 18), dtype=torch.uint8).share_memory_()
+                for _ in range(world)]
+    per_rank = run_ranks(scatter_rank, world, storages, CASES, timeout=600,
+                         env={"TRITON_INTERPRET": "1"})
+    assert all(isinstance(r, list) for r in per_rank), repr(per_rank)[:2000]
+    for results in zip(*per_rank):
+        case = results[0][0]
+        tol = 1e-5 if "float32" in case[2] else 3e-2
+        for rank, (_, error, _) in enumerate(results):
+            assert error <= tol, f"{case} rank {rank}: error {error}"
+        assert len({bits for _, _, bits in results}) == 1, f"{case}: gathered outputs differ"
+
+
+def test_plan_rejects_what_the_kernel_cannot_run():
+    from infini_dist.scheduler.backends.symm_scatter import plan_scatter
+    ctx = RunContext(None, 2, 0, torch.device("cuda"))
+    graph = _graph(2, "norm_gather")
+    meta = _meta(graph, 2, (4, 40), F32)
+    span = FusedSpan(graph, (), (0,), (1, 2))
+    assert plan_scatter(span, meta, ctx) is not None
+    assert plan_scatter(span, meta, RunContext(None, 2, 0, torch.device("cpu"))) is None
+    assert plan_scatter(span, meta, RunContext(None, 4, 0, torch.device("cuda"))) is None  # size
+    other = SubGraph(graph.nodes[:2] + (OpNode("all_gather", ("n",), ("g",), {
+        "group_size": 2, "group_name": "other"}),), graph.input_names, graph.output_names)
+    assert plan_scatter(FusedSpan(other, (), (0,), (1, 2)), meta, ctx) is None
+    # Two ops reading the shard (a norm's backward): the chain is one line; native runs it.
+    backward = _graph(2, "backward")
+    assert plan_scatter(FusedSpan(backward, (), (0,), (1, 2)),
+                        _meta(backward, 2, (4, 40), F32), ctx) is None
+
+
+def compile_for_gpu(pattern, dtype):
+    """In the compile worker: the kernel as the engine launches `pattern`, compiled for sm_90."""
+    from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
+    from infini_dist.scheduler.backends.symm_scatter import SymmScatterGather, plan_scatter
+    shape = (8, 256)
+    graph = _graph(2, pattern)
+    span = FusedSpan(graph, (), (0,), tuple(range(1, len(graph.nodes))))
+    plan = plan_scatter(span, _meta(graph, 2, shape, dtype), RunContext(
+        None, 2, 0, torch.device("cuda")))
+    tensors = _inputs(graph, 2, shape, dtype, 0, 0)
+    buffer = from_peer_tensors([torch.zeros(header_bytes(2) + (1 << 20), dtype=torch.uint8)
+                                for _ in range(2)], 0)
+    algorithm = SymmScatterGather()
+    written, gathered = algorithm._outputs(plan, torch.device("cpu"))
+    jit, grid, args, kwargs = algorithm.arguments(plan, tensors, buffer, written, gathered)
+    return sorted(jit.warmup(*args, grid=grid, **kwargs).asm)
+
+
+def test_compiles_for_sm90(tmp_path):
+    """The interpreter compiles nothing: the GPU compiler (sm_90, to a cubin) must take it too."""
+    pytest.importorskip("triton.backends.nvidia")
+    from launch_stub import compile_pool
+    with compile_pool(str(tmp_path / "home")) as pool:
+        for pattern, dtype in (("train_gather", BF16), ("fp8_gather", BF16),
+                               ("final_norm", F32)):
+            assert "cubin" in pool.submit(compile_for_gpu, pattern, dtype).result(timeout=600)
