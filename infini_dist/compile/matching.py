@@ -18,7 +18,6 @@ after that point, and no other collective is crossed.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -27,33 +26,7 @@ import torch.fx as fx
 from infini_dist.config import Settings
 from infini_dist.scheduler import op_registry
 from infini_dist.compile import fx_patterns
-
-ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-# functional collective -> (IR op, its arguments after the input; "op" must be a sum)
-COLLECTIVES = {ALL_REDUCE: ("all_reduce", ("op", "group_name")),
-               REDUCE_SCATTER: ("reduce_scatter", ("op", "group_size", "group_name")),
-               ALL_GATHER: ("all_gather", ("group_size", "group_name"))}
-_ATTR_TYPES = (bool, int, float, str, type(None))
-
-
-@dataclass
-class IROp:
-    """One IR op found in the graph."""
-    op_type: str
-    inputs: list  # graph value per IR input
-    outputs: list  # graph node carrying each IR output (None: nothing reads it)
-    attrs: dict
-    nodes: frozenset  # graph nodes it replaces
-
-    @property
-    def projections(self) -> frozenset:
-        """Nodes that only hand on the anchor's result (wait_tensor, getitem)."""
-        return frozenset(n for n in self.nodes
-                         if n.target is WAIT or n.target is operator.getitem)
-
+from infini_dist.compile.anchors import IROp, collective_anchor, is_collective, is_tensor, value_of
 
 @dataclass
 class FxSite:
@@ -70,95 +43,6 @@ class FxSite:
     def nodes(self) -> frozenset:
         return frozenset(n for op in self.ops for n in op.nodes)
 
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _is_tensor(node) -> bool:
-    return isinstance(_val(node), torch.Tensor)
-
-
-def anchor_names() -> frozenset:
-    """Registered user ops that are anchors (they have several implementations)."""
-    return frozenset(name for name in op_registry.registered_ops()
-                     if op_registry.get_op(name).is_anchor)
-
-
-def is_collective(node: fx.Node, custom: frozenset) -> bool:
-    """Nodes a site may not be moved across: they talk to other ranks in program order."""
-    if node.op != "call_function" or node.target is WAIT:
-        return False
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        namespace = target.namespace
-        return (namespace in ("_c10d_functional", "c10d", "c10d_functional", "infini_dist")
-                or target._schema.name in custom)
-    return False
-
-
-# ---- anchors -------------------------------------------------------------------------------------
-
-def collective_anchor(node: fx.Node) -> IROp | None:
-    """A functional all_reduce, reduce_scatter_tensor or all_gather_into_tensor (a sum where it
-    reduces) whose result is only waited on, as its IR op."""
-    if node.op != "call_function" or node.target not in COLLECTIVES:
-        return None
-    op_type, names = COLLECTIVES[node.target]
-    source, values = node.args[0], node.args[1:1 + len(names)]
-    if len(values) != len(names):
-        return None
-    attrs = dict(zip(names, values))
-    if "op" in attrs:
-        attrs["op"] = str(attrs["op"]).lower()
-    users = list(node.users)
-    if (attrs.get("op", "sum") != "sum" or not isinstance(attrs["group_name"], str)
-            or not isinstance(attrs.get("group_size", 1), int)
-            or not _is_tensor(source) or len(users) != 1 or users[0].target is not WAIT):
-        return None
-    waits = [users[0]]
-    while len(waits[-1].users) == 1 and next(iter(waits[-1].users)).target is WAIT:
-        waits.append(next(iter(waits[-1].users)))  # dynamo may wait again on the waited value
-    return IROp(op_type, [source], [waits[-1]], attrs, frozenset([node, *waits]))
-
-
-def custom_anchor(node: fx.Node, custom: frozenset) -> IROp | None:
-    """A call to a user op registered under its qualified name ('ns::op'). The engine calls
-    implementations as fn(*tensors, **attrs), so every tensor argument must come first."""
-    target = node.target
-    if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
-            or target._schema.name not in custom):
-        return None
-    schema = target._schema
-    tensors, attrs = [], {}
-    for index, argument in enumerate(schema.arguments):
-        if index < len(node.args):
-            value = node.args[index]
-        elif argument.name in node.kwargs:
-            value = node.kwargs[argument.name]
-        elif argument.has_default_value():
-            value = argument.default_value
-        else:
-            return None
-        if isinstance(value, fx.Node):
-            if attrs or not _is_tensor(value):
-                return None
-            tensors.append(value)
-        elif isinstance(value, _ATTR_TYPES):
-            attrs[argument.name] = value
-        else:
-            return None
-    spec = op_registry.get_op(schema.name)
-    if len(schema.returns) != spec.num_outputs:
-        return None
-    if isinstance(_val(node), torch.Tensor):
-        return IROp(schema.name, tensors, [node], attrs, frozenset((node,)))
-    outputs = [None] * spec.num_outputs
-    for user in node.users:
-        if user.target is not operator.getitem or not isinstance(user.args[1], int):
-            return None
-        outputs[user.args[1]] = user
-    return IROp(schema.name, tensors, outputs, attrs, frozenset([node, *node.users]))
 
 
 # ---- matching ops --------------------------------------------------------------------------------
@@ -189,7 +73,7 @@ class GraphIndex:
 
 
 def _key(node):
-    val = _val(node)
+    val = value_of(node)
     return (val.dtype, val.dim(), val.device.type)
 
 
@@ -199,12 +83,12 @@ def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> IROp | None:
     inputs = list(match.inputs)
     if match.form.commutative and first is not None and inputs[0] is not first:
         inputs.reverse()
-    if not all(_is_tensor(n) for n in inputs + [match.root]):
+    if not all(is_tensor(n) for n in inputs + [match.root]):
         return None
-    dtype = _val(inputs[0]).dtype
-    if _val(match.root).dtype != (match.form.out_dtype or dtype) or not dtype.is_floating_point:
+    dtype = value_of(inputs[0]).dtype
+    if value_of(match.root).dtype != (match.form.out_dtype or dtype) or not dtype.is_floating_point:
         return None
-    if any(_val(n).dtype != dtype for i, n in enumerate(inputs) if i not in match.form.vectors):
+    if any(value_of(n).dtype != dtype for i, n in enumerate(inputs) if i not in match.form.vectors):
         return None  # a norm's weight may have its own dtype
     return IROp(match.form.op_type, inputs, [match.root, *match.further], dict(match.attrs),
                 match.nodes)
@@ -225,7 +109,7 @@ def _prologue(anchor: IROp, region: frozenset, depth: int) -> list:
     consumer_nodes = anchor.nodes
     value = anchor.inputs[0]
     while len(chain) < depth:
-        if (not isinstance(value, fx.Node) or value.op != "call_function" or not _is_tensor(value)
+        if (not isinstance(value, fx.Node) or value.op != "call_function" or not is_tensor(value)
                 or any(u not in consumer_nodes for u in value.users)):
             break
         found = []
@@ -277,7 +161,7 @@ def _epilogue_op(g: GraphIndex, match, live: set, region: frozenset) -> IROp | N
         if node in live:
             if index not in chain_inputs:
                 return None
-        elif not _is_tensor(node) or g.depends_on(node, region):
+        elif not is_tensor(node) or g.depends_on(node, region):
             return None
     if match.exposed is not None and _exposed_op(match) is None:
         return None
@@ -288,7 +172,7 @@ def _exposed_op(match) -> IROp | None:
     """The IR op for the interior value a match exposes: the norm's fp32 rsqrt, one per row.
     It replaces no node of its own (the norm's op does) and only names that node's value."""
     op_type, _ = match.form.exposable
-    source, value = _val(match.inputs[0]), _val(match.exposed)
+    source, value = value_of(match.inputs[0]), value_of(match.exposed)
     if (not isinstance(value, torch.Tensor) or value.dtype != torch.float32
             or tuple(value.shape) != tuple(source.shape[:-1]) + (1,)):
         return None
@@ -299,7 +183,7 @@ def _exposed_op(match) -> IROp | None:
 def _epilogue(g: GraphIndex, site: FxSite, depth: int) -> None:
     live = {n for a in site.anchors for n in a.outputs if n is not None}
     region = site.nodes
-    keys = {_key(n) for n in live if _is_tensor(n)}
+    keys = {_key(n) for n in live if is_tensor(n)}
     reach = max((t.size for k in keys for t in fx_patterns.templates(*k)), default=1)
     while True:
         found = []

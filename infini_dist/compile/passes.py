@@ -34,7 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import infini_dist
 import infini_dist.kernels.epilogue
-from infini_dist.compile import decided, matching, runtime_op
+from infini_dist.compile import anchors, decided, matching, runtime_op
 from infini_dist.config import Settings
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
@@ -121,7 +121,7 @@ def _fake_outputs(inputs: list, text: str) -> list:
         return list(torch.ops.infini_dist.fused_site.default(values, text))
 
 
-def _known_site(index: matching.GraphIndex, anchor: matching.IROp, settings: Settings):
+def _known_site(index: matching.GraphIndex, anchor: anchors.IROp, settings: Settings):
     """(site, text, inputs, outputs) to replace around `anchor`, its collective alone where the
     whole site is decided native or fuses nothing (compile/decided.py); text None: decided
     native, leave it to Inductor."""
@@ -152,7 +152,7 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
     last_sites.clear()
     if not settings.enable_custom_op_fusion:
         return []
-    custom = matching.anchor_names()
+    custom = anchors.anchor_names()
     replaced: list[str] = []
     skipped: set = set()
     while True:
@@ -160,10 +160,10 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
         for node in graph.nodes:
             if node in skipped or node.op != "call_function":
                 continue
-            found = matching.collective_anchor(node) or matching.custom_anchor(node, custom)
+            found = anchors.collective_anchor(node) or anchors.custom_anchor(node, custom)
             if found is not None:
                 break
-            if node.target in matching.COLLECTIVES:
+            if node.target in anchors.COLLECTIVES:
                 skipped.add(node)  # not a sum, or its result is used without a wait
         if found is None:
             break
@@ -202,7 +202,7 @@ class FusionPass(CustomGraphPass):
     def uuid(self) -> str:
         flags = {name: getattr(infini_dist.config, name) for name in _UUID_FLAGS}
         payload = repr((infini_dist.__version__, _source_hash(), sorted(flags.items()),
-                        sorted(matching.anchor_names()), decided.state()))
+                        sorted(anchors.anchor_names()), decided.state()))
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def __repr__(self):

@@ -104,7 +104,6 @@ def _unaliased(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[
     return result
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
 def fused_site(inputs: list[torch.Tensor], graph: str) -> list[torch.Tensor]:
     executor = _executor(graph)
     names = executor.graph.input_names
@@ -126,7 +125,16 @@ def evaluate_shapes(sub: SubGraph, inputs: list[torch.Tensor]) -> list[torch.Ten
             for name in sub.output_names]
 
 
-@fused_site.register_fake
+# A plain torch.library registration, not torch.library.custom_op: custom_op's Python wrappers
+# (autograd, ADInplaceOrView, schema checks) cost several times the rest of a call's host path,
+# and a training step's forward is host-bound at small token counts. The op only ever runs in
+# post-grad graphs, below autograd, so it needs no autograd formula.
+_LIBRARY = torch.library.Library("infini_dist", "FRAGMENT")
+_LIBRARY.define("fused_site(Tensor[] inputs, str graph) -> Tensor[]")
+_LIBRARY.impl("fused_site", fused_site, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(OP_NAME, lib=_LIBRARY)
 def _(inputs, graph):
     return evaluate_shapes(subgraph_from_json(graph), list(inputs))
 

@@ -358,20 +358,7 @@ class SymmAllReduce(Algorithm):
 
     def compile(self, span, meta, ctx):
         plan = plan_span(span, meta, ctx)
-        if plan is None:
-            raise ValueError(f"{self.name}: span not supported")
-        data_bytes = self.data_bytes(plan, ctx.world_size)
-        tuning = tuning_of(ctx.settings)
-        fast = ctx.settings.fast_launch if ctx.settings is not None else True
-        with torch.cuda.device(ctx.device):
-            # Warm-up: compile and run once on private scratch with pre-satisfied barriers.
-            scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
-                       for n in plan.tensor_inputs}
-            buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)
-            self.launch(plan, scratch, buffer, tuning)
-            torch.cuda.synchronize(ctx.device)
-            del scratch, buffer
-
+        data_bytes, tuning, fast = warm_up(self, plan, plan and plan.tensor_inputs, meta, ctx)
         state = {}
 
         def run(env):
@@ -383,6 +370,23 @@ class SymmAllReduce(Algorithm):
                                                               fast)
             return prepared(env)
         return run
+
+
+def warm_up(algorithm, plan, names, meta, ctx) -> tuple[int, SymmTuning, bool]:
+    """Compile `algorithm`'s kernel for `plan` by one launch on private scratch whose barriers
+    are already met: no peer takes part, so every rank may compile at its own pace. Returns the
+    buffer bytes, the kernel knobs and whether launches take the fast path."""
+    if plan is None:
+        raise ValueError(f"{algorithm.name}: span not supported")
+    data_bytes = algorithm.data_bytes(plan, ctx.world_size)
+    tuning = tuning_of(ctx.settings)
+    with torch.cuda.device(ctx.device):
+        scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
+                   for n in names}
+        buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)
+        algorithm.launch(plan, scratch, buffer, tuning)
+        torch.cuda.synchronize(ctx.device)
+    return data_bytes, tuning, ctx.settings.fast_launch if ctx.settings is not None else True
 
 
 def algorithms() -> list[SymmAllReduce]:

@@ -19,7 +19,7 @@ from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.symm_chain import fused_arguments
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
-from infini_dist.scheduler.backends.symm import SpanPlan, plan_span, tuning_of
+from infini_dist.scheduler.backends.symm import SpanPlan, plan_span, warm_up
 from infini_dist.scheduler.choices import Algorithm, FusedSpan, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
@@ -156,20 +156,8 @@ class SymmScatterGather(Algorithm):
 
     def compile(self, span, meta, ctx):
         plan = plan_scatter(span, meta, ctx)
-        if plan is None:
-            raise ValueError(f"{self.name}: span not supported")
-        data_bytes = self.data_bytes(plan, ctx.world_size)
-        tuning = tuning_of(ctx.settings)
-        fast = ctx.settings.fast_launch if ctx.settings is not None else True
-        names = plan.epilogue.tensor_inputs
-        with torch.cuda.device(ctx.device):
-            # Warm-up: compile and run once on private scratch with pre-satisfied barriers.
-            scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
-                       for n in names}
-            buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)
-            self.launch(plan, scratch, buffer, tuning)
-            torch.cuda.synchronize(ctx.device)
-            del scratch, buffer
+        names = plan.epilogue.tensor_inputs if plan is not None else ()
+        data_bytes, tuning, fast = warm_up(self, plan, names, meta, ctx)
         state = {}
 
         def run(env):
