@@ -175,6 +175,19 @@ class Settings:
     symm_round_items: int
     fast_launch: bool
 
+    def __hash__(self) -> int:
+        # Settings key every executor lookup on an eager op's hot path, and hashing all the
+        # fields again each time costs more than the rest of the lookup.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # String hashes differ between processes: a pickled copy hashes afresh.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def decision_fields(self) -> dict:
         """The flags that change which choice is committed, hence part of the cache key."""
         return {"fusion": self.enable_custom_op_fusion, "types": self.custom_op_fusion_types,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import threading
 
@@ -41,7 +42,7 @@ def bounded(timeout_s: float, step: str):
 def _bounded_call(name: str, call, tensor: torch.Tensor) -> None:
     limit = getattr(_LIMIT, "value", None)
     if limit is None or tensor.is_cuda:
-        call(async_op=False)
+        call()  # the plain blocking call, as the user's own code makes it
         return
     timeout_s, step = limit
     try:
@@ -54,20 +55,19 @@ def _bounded_call(name: str, call, tensor: torch.Tensor) -> None:
 
 
 def all_reduce(tensor: torch.Tensor, group) -> None:
-    _bounded_call("all_reduce", lambda async_op: dist.all_reduce(tensor, group=group,
-                                                                 async_op=async_op), tensor)
+    _bounded_call("all_reduce", functools.partial(dist.all_reduce, tensor, group=group), tensor)
 
 
 def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
     """out = this rank's chunk (along dim 0) of the sum of `tensor` over the group."""
-    _bounded_call("reduce_scatter", lambda async_op: dist.reduce_scatter_tensor(
-        out, tensor, group=group, async_op=async_op), tensor)
+    _bounded_call("reduce_scatter", functools.partial(dist.reduce_scatter_tensor, out, tensor,
+                                                      group=group), tensor)
 
 
 def all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
     """out = every rank's `tensor`, in rank order along dim 0."""
-    _bounded_call("all_gather", lambda async_op: dist.all_gather_into_tensor(
-        out, tensor, group=group, async_op=async_op), tensor)
+    _bounded_call("all_gather", functools.partial(dist.all_gather_into_tensor, out, tensor,
+                                                  group=group), tensor)
 
 
 def describe(error: BaseException) -> str:

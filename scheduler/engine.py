@@ -365,6 +365,7 @@ class GraphExecutor:
             elif index == site.anchors[0]:
                 # Prologue nodes are private to their anchor, so running them here is safe.
                 self.plan.append(("site", SiteRunner(graph, site, settings, compiled)))
+        self.has_loose = any(kind == "node" for kind, _ in self.plan)
 
     def run(self, inputs: dict, group=None) -> dict:
         missing = [n for n in self.graph.input_names if n not in inputs]
@@ -373,7 +374,7 @@ class GraphExecutor:
         env = dict(inputs)
         # Loose nodes are never collectives (every collective is a site), so they need only
         # the group for their references' signature, not the rank or device.
-        loose = RunContext(group, 1, 0, torch.device("cpu"))
+        loose = RunContext(group, 1, 0, torch.device("cpu")) if self.has_loose else None
         for kind, item in self.plan:
             if kind == "node":
                 run_nodes(self.graph, (item,), env, loose)
