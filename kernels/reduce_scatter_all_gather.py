@@ -22,15 +22,25 @@ offsets that do not depend on the shape: a rank that has left this launch writes
 in its next one before any barrier, while a peer may still copy gathered regions here. A
 rank writes its own gathered region only after the next launch's first barrier, which every
 peer reaches only once its previous launch, phase 3 included, is over (one stream).
+
+Last come the launch builder the engine binds (scheduler/backends/symm_scatter.py) and the
+plain callable: `out, residual = reduce_scatter_all_gather(x, group=g, weight=w, residual=r)`.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.symm_buffers import slot_elements, upper_half_elements
-from infini_dist.kernels.symm_device import apply_prologue, finish
+from infini_dist.kernels.epilogue import SPECS
+from infini_dist.kernels.symm_buffers import header_bytes, slot_elements, upper_half_elements
+from infini_dist.kernels.symm_call import (call_buffer, call_outputs, chain_ops, checked_input,
+                                           norm_options, quant_options, world_size_of)
+from infini_dist.kernels.symm_chain import MAX_ROW, QUANT_CODES, fused_arguments
+from infini_dist.kernels.symm_device import DEFAULT_TUNING, apply_prologue, finish
 from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
@@ -78,7 +88,10 @@ def reduce_scatter_all_gather_kernel(
                 tl.store(gathered_ptr + (owner * rows + row) * ROW + column, value, mask=in_row)
 
 
+KIND = "reduce_scatter_all_gather"  # its buffers' key: launches of other protocols never share them
 MAX_PROGRAMS = 128  # at most one per SM, so that program b of every rank is resident
+# `out`'s dtype by quant code where quantized (else x's): from the options, never from `out`.
+_QUANT_DTYPES = {code: SPECS[name].out_dtype for name, code in QUANT_CODES.items()}
 
 
 def data_bytes(shard_numel: int, element_size: int, world_size: int) -> int:
@@ -96,6 +109,82 @@ def layout(rows: int, row_len: int) -> tuple[int, int, int]:
 
 def local_region(buffer, dtype, numel: int):
     """This rank's gathered region as a tensor of `dtype`: where phase 2 writes `out`."""
-    from infini_dist.kernels.symm_buffers import header_bytes
     start = header_bytes(buffer.world_size) + upper_half_elements(buffer, 1)
     return buffer.storage[start:start + numel * dtype.itemsize].view(dtype)
+
+
+def shard_shape(x, world_size: int) -> tuple:
+    """A rank's shard of x [W * n, ...]: [n, ...]."""
+    if x.dim() == 0 or x.shape[0] % world_size:
+        raise ValueError(f"x's dim 0 must split evenly over {world_size} ranks, got shape "
+                         f"{tuple(x.shape)}")
+    return (x.shape[0] // world_size,) + tuple(x.shape[1:])
+
+
+def reduce_scatter_all_gather_launch(x, buffer, out, gathered, *, tuning=DEFAULT_TUNING,
+                                     **options):
+    """The launch, as (kernel, grid, args, kwargs). x: [W * n, ...]. Either `out`, the
+    epilogue's value on this rank's shard [n, ...], or `gathered`, [W * n, ...] in out's dtype
+    (then `out` is this rank's gathered region of the buffer, and gathered[rank * n:] its
+    value). Options as in symm_chain.fused_arguments, their tensors shards (sides, residual,
+    pre, rstd, scales); row_len is the shard's last dim whatever is passed. Like
+    fused_arguments it reads x's shape, dtype and device, never `out` or `gathered`, so the
+    engine binds it once with stand-ins for them (nt_runtime.FastLaunch)."""
+    if (out is None) == (gathered is None):
+        raise ValueError("pass `out` (the shard's value) or `gathered`, not both")
+    shard = shard_shape(x, buffer.world_size)
+    row = shard[-1]
+    if row > MAX_ROW:
+        raise ValueError(f"rows of at most {MAX_ROW} (a program holds a whole row), got {row}")
+    rows = math.prod(shard) // row
+    out_dtype = _QUANT_DTYPES.get(options.get("quant", 0), x.dtype)
+    if gathered is not None:
+        out = local_region(buffer, out_dtype, rows * row)
+    _, head, kwargs = fused_arguments(x, buffer, out, **dict(options, row_len=row))
+    block, grid, warps = layout(rows, row)
+    del kwargs["ITEM"]
+    kwargs.update(ROW=row, BLOCK=block, GATHER=gathered is not None, num_warps=warps)
+    args = head + (x if gathered is None else gathered, buffer.data_table, buffer.signal_table,
+                   rows, upper_half_elements(buffer, out_dtype.itemsize), buffer.rank,
+                   tuning.timeout_ns)
+    return reduce_scatter_all_gather_kernel, (grid,), args, kwargs
+
+
+def reduce_scatter_all_gather(x, *, group=None, epilogue=(), weight=None, residual=None,
+                              eps=1e-6, norm="rms_norm", bias=None, quant=None, gather=True,
+                              buffer=None, tuning=DEFAULT_TUNING):
+    """x [W * n, ...] (this rank's partial sums of every rank's rows) reduce-scattered over
+    `group`, the epilogue run on this rank's shard and, with `gather`, its value all-gathered:
+    one launch. Collective: every rank of `group` calls it with the same shapes, dtypes and
+    steps. Unfused torch equivalent (every step computes in fp32 and rounds to x.dtype):
+
+        y = torch.empty_like(x[:n]); dist.reduce_scatter_tensor(y, x, group=group)
+        for step in epilogue: y = step(y)               # side tensors: shards [n, ...]
+        if residual is not None:                        # [n, ...]; returned after the scales
+            residual = y + residual; y = residual
+        y = rms_norm(y, weight, eps) if weight is not None else y
+        y = quantizer(y) if quant is not None else y    # its per-row scales: [n, ..., 1]
+        if gather:
+            out = torch.empty_like(x, dtype=y.dtype)
+            dist.all_gather_into_tensor(out, y, group=group); y = out
+        return y                                        # then (y[, scales][, residual])
+
+    Only `out` is gathered: the scales and the residual are this rank's shard. The sums are
+    fp32 in rank order, so every rank gathers the same bits. `epilogue`, `norm`, `bias`,
+    `quant`, `buffer` and `tuning` as in symm_call.SymmKernel.__call__; no prologue."""
+    x = checked_input(x)
+    world_size = world_size_of(group, buffer)
+    shard = x[:shard_shape(x, world_size)[0]]  # what the epilogue's operands must be like
+    sides = {}
+    options = dict(epilogue=chain_ops(epilogue, shard, sides), sides=sides, eps=float(eps),
+                   **norm_options(shard, norm, weight, bias, residual), **quant_options(quant))
+    out, scales, pre = call_outputs(shard, quant, residual)
+    size = data_bytes(shard.numel(), max(x.element_size(), out.element_size()), world_size)
+    buffer = call_buffer(buffer, group, x.device, KIND, size)
+    gathered = torch.empty_like(x, dtype=out.dtype) if gather else None
+    kernel, grid, args, kwargs = reduce_scatter_all_gather_launch(
+        x, buffer, None if gather else out, gathered, pre=pre, scales=scales, tuning=tuning,
+        **options)
+    kernel[grid](*args, **kwargs)
+    results = tuple(t for t in (gathered if gather else out, scales, pre) if t is not None)
+    return results if len(results) > 1 else results[0]

@@ -2,7 +2,8 @@
 each kernel file ends with one `SymmKernel`, e.g. `one_shot_all_reduce`, callable as
 `one_shot_all_reduce(x, group=g, prologue=(("relu",),), epilogue=(("scale", 0.5),))`. It also
 tells the engine's algorithm adapters (scheduler/backends/symm.py) what they need: its buffer
-kind, its launch builder and its buffer size.
+kind, its launch builder and its buffer size. The argument checks and output allocation below
+serve every plain callable, reduce_scatter_all_gather's (not a SymmKernel: another signature) too.
 """
 
 from __future__ import annotations
@@ -115,34 +116,55 @@ class SymmKernel:
         """What a call launches, unlaunched: (kernel, grid, args, kwargs, results), `results`
         being what the call returns as a tuple (out[, scales][, pre]), for the same arguments
         (tests compile it with `kernel.warmup(*args, grid=grid, **kwargs)`)."""
-        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() == 0 \
-                or x.numel() == 0:
-            raise ValueError("x must be a non-empty float16, bfloat16 or float32 tensor")
-        x = x.contiguous()
+        x = checked_input(x)
         sides = {}
         options = dict(prologue=chain_ops(prologue, x, sides),
                        epilogue=chain_ops(epilogue, x, sides), sides=sides, eps=float(eps),
-                       **_norm_options(x, norm, weight, bias, residual), **_quant_options(quant))
-        data_bytes = self.data_bytes(x.numel(), x.element_size(), _world_size(group, buffer),
+                       **norm_options(x, norm, weight, bias, residual), **quant_options(quant))
+        data_bytes = self.data_bytes(x.numel(), x.element_size(), world_size_of(group, buffer),
                                      options.get("row_len"), options["norm"])
-        if buffer is None:
-            buffer = symm_buffers.get_buffer(group, x.device, self.kind, data_bytes,
-                                             self.lamport_width(x.dtype))
-        elif buffer.data_bytes < data_bytes:
-            raise ValueError(f"the buffer holds {buffer.data_bytes} bytes, this call needs "
-                             f"{data_bytes}")
-        quantizer = SPECS[quant[0]] if quant is not None else None
-        out = torch.empty_like(x, dtype=quantizer.out_dtype if quantizer else x.dtype)
-        pre = torch.empty_like(x) if residual is not None else None
-        scales = None
-        if quantizer is not None and quantizer.symm_quant.row_scale:
-            scales = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
+        buffer = call_buffer(buffer, group, x.device, self.kind, data_bytes,
+                             self.lamport_width(x.dtype))
+        out, scales, pre = call_outputs(x, quant, residual)
         kernel, grid, args, kwargs = self.launch(x, buffer, out, pre=pre, scales=scales,
                                                  tuning=tuning, **options)
         return kernel, grid, args, kwargs, tuple(t for t in (out, scales, pre) if t is not None)
 
 
-def _quant_options(quant) -> dict:
+# ---- what every plain callable checks and allocates (here and reduce_scatter_all_gather) ------
+
+def checked_input(x):
+    """`x` contiguous, or ValueError where no kernel takes it."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() == 0 \
+            or x.numel() == 0:
+        raise ValueError("x must be a non-empty float16, bfloat16 or float32 tensor")
+    return x.contiguous()
+
+
+def call_buffer(buffer, group, device, kind: str, data_bytes: int, lamport_width: int = 0):
+    """`buffer` if it holds `data_bytes`, else ValueError; None: the cached symmetric buffer of
+    `kind` for `group` (collective on first use)."""
+    if buffer is None:
+        return symm_buffers.get_buffer(group, device, kind, data_bytes, lamport_width)
+    if buffer.data_bytes < data_bytes:
+        raise ValueError(f"the buffer holds {buffer.data_bytes} bytes, this call needs "
+                         f"{data_bytes}")
+    return buffer
+
+
+def call_outputs(like, quant, residual) -> tuple:
+    """(out, scales, pre) of `like`'s shape for a call's `quant` and `residual`, None where not
+    written: `out` in the quantizer's dtype, a per-row quantizer's fp32 scales rows x 1."""
+    quantizer = SPECS[quant[0]] if quant is not None else None
+    out = torch.empty_like(like, dtype=quantizer.out_dtype if quantizer else like.dtype)
+    pre = torch.empty_like(like) if residual is not None else None
+    scales = None
+    if quantizer is not None and quantizer.symm_quant.row_scale:
+        scales = torch.empty(like.shape[:-1] + (1,), dtype=torch.float32, device=like.device)
+    return out, scales, pre
+
+
+def quant_options(quant) -> dict:
     """The launch options of `quant`: None, or (name,) / (name, scalar) of a spec'd quantizer."""
     if quant is None:
         return {}
@@ -155,7 +177,9 @@ def _quant_options(quant) -> dict:
     return {"quant": QUANT_CODES[name], "quant_scale": float(operands[0]) if operands else 0.0}
 
 
-def _norm_options(x, norm, weight, bias, residual) -> dict:
+def norm_options(x, norm, weight, bias, residual) -> dict:
+    """The launch options of a norm `weight` selects (none without one), operands checked
+    against `x`'s shape (a residual: `x`'s shape and dtype)."""
     if weight is None:
         if residual is not None or bias is not None:
             raise ValueError("a residual or a bias needs a weight: they feed the norm")
@@ -179,7 +203,8 @@ def _norm_options(x, norm, weight, bias, residual) -> dict:
     return options
 
 
-def _world_size(group, buffer) -> int:
+def world_size_of(group, buffer) -> int:
+    """The ranks a call spans: the buffer's, else the group's."""
     if buffer is not None:
         return buffer.world_size
     import torch.distributed as dist

@@ -1,8 +1,8 @@
-"""kernels/reduce_scatter_all_gather through its engine algorithm (symm_scatter_gather), on
-Triton-interpreted CPU ranks whose "symmetric" buffers are shared memory: every output against
-the unfused reference (the sum in fp32, rounded once, scattered, the epilogue's references,
-gathered), gathered outputs bitwise equal on every rank, shapes changing between calls on one
-buffer."""
+"""kernels/reduce_scatter_all_gather through its engine algorithm (symm_scatter_gather) and as
+its plain callable, on Triton-interpreted CPU ranks whose "symmetric" buffers are shared memory
+(the callable also on 2 GPUs over NCCL): every output against the unfused reference (the sum
+rounded once, scattered, the epilogue, gathered), gathered outputs bitwise equal on every rank,
+shapes changing between calls on one buffer."""
 
 from __future__ import annotations
 
@@ -146,6 +146,7 @@ def test_plan_rejects_what_the_kernel_cannot_run():
     assert plan_scatter(span, meta, ctx) is not None
     assert plan_scatter(span, meta, RunContext(None, 2, 0, torch.device("cpu"))) is None
     assert plan_scatter(span, meta, RunContext(None, 4, 0, torch.device("cuda"))) is None  # size
+    assert plan_scatter(span, _meta(graph, 2, (4, 32769), F32), ctx) is None  # a row too long
     other = SubGraph(graph.nodes[:2] + (OpNode("all_gather", ("n",), ("g",), {
         "group_size": 2, "group_name": "other"}),), graph.input_names, graph.output_names)
     assert plan_scatter(FusedSpan(other, (), (0,), (1, 2)), meta, ctx) is None
@@ -181,3 +182,123 @@ def test_compiles_for_sm90(tmp_path):
         for pattern, dtype in (("train_gather", BF16), ("fp8_gather", BF16),
                                ("final_norm", F32)):
             assert "cubin" in pool.submit(compile_for_gpu, pattern, dtype).result(timeout=600)
+
+
+# ---- the plain callable: reduce_scatter -> add + RMSNorm (-> all_gather) -------------------------
+
+# (shard shape, dtype): x is [W * shard[0], ...] on every rank
+CALLABLE_CASES = [((3, 40), F32), ((2, 64), BF16), ((2, 3, 16), F32)]
+GPU_CALLABLE_CASES = CALLABLE_CASES + [((130, 8), BF16), ((64, 4096), BF16), ((5, 1000), F32)]
+CALLABLE_EPS = 1e-5
+
+
+def _callable_inputs(world, shard, dtype, call):
+    """Every rank's x [W * n, ...] and residual shard, and the weight: random, none zero."""
+    def randn(shape, seed):
+        t = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        return (t.sign() * (0.05 + t.abs())).to(dtype)  # no zeros: a dropped value shows
+    full = (world * shard[0],) + tuple(shard[1:])
+    xs = [randn(full, 100 * call + r) for r in range(world)]
+    residuals = [randn(shard, 100 * call + 50 + r) for r in range(world)]
+    weight = (0.5 + randn(shard[-1:], 100 * call + 99).double().abs()).to(dtype)
+    return xs, residuals, weight
+
+
+def _callable_reference(xs, residuals, weight, world):
+    """The unfused equivalent in float64: reduce_scatter_tensor (its output rounded to the
+    dtype), residual add and RMSNorm, all_gather_into_tensor; (gathered out, new residuals)."""
+    dtype = xs[0].dtype
+    total = sum(x.double() for x in xs).to(dtype).double()
+    outs, pres = [], []
+    for shard, residual in zip(total.chunk(world), residuals):
+        pre = shard + residual.double()
+        rstd = torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + CALLABLE_EPS)
+        outs.append((pre * rstd * weight.double()).to(dtype))
+        pres.append(pre.to(dtype))
+    return torch.cat(outs), pres
+
+
+def callable_rank(rank, world, storages, device, cases):
+    """Each case twice (new inputs), gathered and not, through the plain callable on one buffer
+    (the shared CPU `storages`, or with None the callable's own symmetric buffer on CUDA): per
+    call (case, error, digest of the gathered value, this rank's shard of `out`)."""
+    from infini_dist.kernels.reduce_scatter_all_gather import reduce_scatter_all_gather
+    from infini_dist.kernels.symm_buffers import from_peer_tensors
+    buffer = from_peer_tensors(storages, rank) if storages is not None else None
+    results = []
+    for shard, dtype in cases:
+        for call in range(2):
+            xs, residuals, weight = _callable_inputs(world, shard, dtype, call)
+            out, pres = _callable_reference(xs, residuals, weight, world)
+            for gather in (True, False):
+                got, residual = reduce_scatter_all_gather(
+                    xs[rank].to(device), weight=weight.to(device),
+                    residual=residuals[rank].to(device), eps=CALLABLE_EPS, gather=gather,
+                    buffer=buffer)
+                want = out if gather else out.chunk(world)[rank]
+                error = max_error({"out": got, "residual": residual},
+                                  {"out": want, "residual": pres[rank]})
+                mine = got.chunk(world)[rank] if gather else got
+                results.append(((shard, str(dtype), call, gather), error,
+                                digest({"out": got}) if gather else None, mine.cpu()))
+    return results
+
+
+def _check_callable(per_rank, world):
+    assert all(isinstance(r, list) for r in per_rank), repr(per_rank)[:2000]
+    shards = {}
+    for results in zip(*per_rank):
+        (shard, dtype, call, gather), _, _, _ = results[0]
+        tol = 1e-5 if "float32" in dtype else 3e-2
+        for rank, (case, error, _, _) in enumerate(results):
+            assert error <= tol, f"{case} rank {rank}: error {error}"
+        if gather:
+            assert len({bits for _, _, bits, _ in results}) == 1, f"{results[0][0]}: ranks differ"
+        # The same sums whether gathered or not: every rank's shard, to the bit.
+        shards.setdefault((shard, dtype, call), []).append([mine for *_, mine in results])
+    for case, (gathered, scattered) in shards.items():
+        for rank in range(world):
+            assert torch.equal(gathered[rank].view(torch.uint8),
+                               scattered[rank].view(torch.uint8)), (case, rank)
+
+
+@pytest.mark.parametrize("x, options, message", [
+    (torch.randn(3, 8), {}, "split evenly over 2 ranks"),
+    (torch.randn(4, 8), {"weight": torch.ones(8), "residual": torch.randn(4, 8)},
+     "residual must be a tensor of shape (2, 8)"),       # a shard's, not x's
+    (torch.randn(4, 8), {"epilogue": (("mul", torch.randn(4, 8)),)}, "shape (2, 8)"),
+    (torch.randn(4, 8), {"quant": ("quant_fp8_per_token",)}, "needs a norm"),
+    (torch.randn(2, 40000), {}, "rows of at most"),
+    (torch.randn(512, 512), {}, "this call needs"),
+])
+def test_callable_refuses_bad_input(x, options, message):
+    """Before anything is launched: the launch builder's checks included."""
+    import re
+
+    from infini_dist.kernels.reduce_scatter_all_gather import reduce_scatter_all_gather
+    from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
+    buffer = from_peer_tensors([torch.zeros(header_bytes(2) + (1 << 20), dtype=torch.uint8)
+                                for _ in range(2)], 0)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        reduce_scatter_all_gather(x, buffer=buffer, **options)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_callable_interpreted(monkeypatch, world):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from infini_dist.kernels.symm_buffers import header_bytes
+    storages = [torch.zeros(header_bytes(world) + (1 << 18), dtype=torch.uint8).share_memory_()
+                for _ in range(world)]
+    per_rank = run_ranks(callable_rank, world, storages, "cpu", CALLABLE_CASES, timeout=600,
+                         env={"TRITON_INTERPRET": "1"})
+    _check_callable(per_rank, world)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_callable_on_gpus():
+    """The callable on 2 GPUs over NCCL, its symmetric buffer its own (allocated on first use)."""
+    from multirank import SAFE_GPU_ENV
+    per_rank = run_ranks(callable_rank, 2, None, "cuda", GPU_CALLABLE_CASES, backend="nccl",
+                         env=SAFE_GPU_ENV, timeout=540)
+    _check_callable(per_rank, 2)

@@ -42,8 +42,7 @@ from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.epilogue import SPECS
 from infini_dist.kernels.epilogue.rms_rstd import SPEC as RSTD_SPEC
 from infini_dist.kernels.symm_chain import (MAX_CHAIN, MAX_ROW, NO_NORM, NORM_CODES, QUANT_CODES,
-                                            RSTD_NORMS,
-                                            encode_node)
+                                            RSTD_NORMS, encode_node)
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
@@ -115,6 +114,14 @@ class SpanPlan:
             return torch.empty(self.shape, dtype=dtype, device=device)
         return {k: empty(k) for k in self.writes}
 
+    def launch_options(self, tensors: dict) -> dict:
+        """The launch builders' options but outputs (symm_chain.fused_arguments)."""
+        operands = {k: tensors[getattr(self, k)] if getattr(self, k) else None
+                    for k in ("weight", "bias", "residual")}
+        return dict(prologue=self.prologue, epilogue=self.epilogue, sides=tensors, norm=self.norm,
+                    eps=self.eps, row_len=self.row_len, quant=self.quant,
+                    quant_scale=self.quant_scale, **operands)
+
     def results(self, written: dict) -> dict:
         slot = {getattr(self, k): k for k in self.writes}
         return {name: written[slot[name]] for name in self.outputs}
@@ -141,9 +148,8 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
             or not ctx.single_host):  # peer memory needs every pair of ranks on one host
         return None
     anchor = graph.nodes[span.anchors[0]]
-    if anchor.op_type != "all_reduce" or anchor.attr("op", "sum") != "sum":
-        return None
-    if len(anchor.inputs) != 1:
+    if anchor.op_type != "all_reduce" or anchor.attr("op", "sum") != "sum" \
+            or len(anchor.inputs) != 1:
         return None
     external = set(span.inputs)
 
@@ -151,9 +157,8 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
     current = prologue_nodes[0].inputs[0] if prologue_nodes else anchor.inputs[0]
     source = current
     x = meta.get(source)
-    if x is None or x.dtype not in FLOAT_DTYPES or x.device.type != "cuda" or not x.shape:
-        return None
-    if any(d == 0 for d in x.shape):
+    if x is None or x.dtype not in FLOAT_DTYPES or x.device.type != "cuda" or not x.shape \
+            or 0 in x.shape:
         return None
 
     def side_kind(name):
@@ -179,8 +184,7 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
     if prologue is None or current != anchor.inputs[0] or not _same(meta, current, x):
         return None
 
-    epilogue_nodes = span.nodes(span.epilogue)
-    epilogue_nodes = list(epilogue_nodes)
+    epilogue_nodes = list(span.nodes(span.epilogue))
     quant_node = None  # the chain ends: [ops..] [norm [rms_rstd]] [quantizer]
     if epilogue_nodes and epilogue_nodes[-1].op_type in QUANT_CODES:
         quant_node = epilogue_nodes.pop()
@@ -337,13 +341,8 @@ class SymmAllReduce(Algorithm):
                          tuning: SymmTuning = DEFAULT_TUNING):
         """(kernel, grid, args, kwargs) of the launch for `plan`, `tensors` by input name,
         `written` the outputs by plan.writes keyword."""
-        return self.kernel.launch(
-            x, buffer, prologue=plan.prologue, epilogue=plan.epilogue, sides=tensors,
-            norm=plan.norm, weight=tensors[plan.weight] if plan.weight else None,
-            bias=tensors[plan.bias] if plan.bias else None,
-            residual=tensors[plan.residual] if plan.residual else None, eps=plan.eps,
-            row_len=plan.row_len, quant=plan.quant, quant_scale=plan.quant_scale,
-            tuning=tuning, **written)
+        return self.kernel.launch(x, buffer, tuning=tuning, **plan.launch_options(tensors),
+                                  **written)
 
     def launch(self, plan: SpanPlan, env: dict, buffer,
                tuning: SymmTuning = DEFAULT_TUNING) -> dict:

@@ -17,14 +17,13 @@ import torch
 from infini_dist.kernels import reduce_scatter_all_gather as kernel_module
 from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.nt_runtime import FastLaunch
-from infini_dist.kernels.symm_chain import fused_arguments
+from infini_dist.kernels.symm_chain import MAX_ROW
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
 from infini_dist.scheduler.backends.symm import SpanPlan, plan_span, warm_up
 from infini_dist.scheduler.choices import Algorithm, FusedSpan, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
 MAX_BYTES = 256 << 20  # the input; its buffer holds two copies of it
-KIND = "reduce_scatter_all_gather"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +58,8 @@ def plan_scatter(span, meta, ctx) -> ScatterPlan | None:
         return None
     source, shard = anchor.inputs[0], anchor.outputs[0]
     full, part = meta.get(source), meta.get(shard)
-    if full is None or part is None or len(part.shape) < 1 or not part.shape[-1]:
-        return None
+    if full is None or part is None or len(part.shape) < 1 or not 0 < part.shape[-1] <= MAX_ROW:
+        return None  # a program holds a whole row, norm or not
     # The stand-in: all_reduce(source) -> the epilogue, `source` with the shard's shape. Its
     # outputs: the span's, the gathered value in place of the gather's output.
     outputs = [n for n in span.outputs if gather is None or n != gather.outputs[0]]
@@ -95,29 +94,12 @@ class SymmScatterGather(Algorithm):
 
     def arguments(self, plan: ScatterPlan, tensors: dict, buffer, written: dict, gathered,
                   tuning=DEFAULT_TUNING):
-        """(kernel, grid, args, kwargs) of one launch; `written` by SpanPlan.writes keyword."""
-        e = plan.epilogue
-        x = tensors[e.source]
-        if plan.gathered is not None:  # `out` goes to this rank's gathered region
-            written = dict(written, out=kernel_module.local_region(
-                buffer, e.out_dtype or e.dtype, plan.shard_numel))
-        _, head, kwargs = fused_arguments(
-            x, buffer, epilogue=e.epilogue, sides=tensors, norm=e.norm,
-            weight=tensors[e.weight] if e.weight else None,
-            bias=tensors[e.bias] if e.bias else None,
-            residual=tensors[e.residual] if e.residual else None, eps=e.eps,
-            row_len=e.shape[-1], quant=e.quant, quant_scale=e.quant_scale, **written)
-        block, grid, warps = kernel_module.layout(plan.rows, e.shape[-1])
-        for key in ("ITEM", "BLOCK", "num_warps"):
-            kwargs.pop(key)
-        out_dtype = e.out_dtype or e.dtype
-        args = head + (x if gathered is None else gathered, buffer.data_table,
-                       buffer.signal_table, plan.rows,
-                       symm_buffers.upper_half_elements(buffer, out_dtype.itemsize), buffer.rank,
-                       tuning.timeout_ns)
-        kwargs.update(ROW=e.shape[-1], BLOCK=block, GATHER=plan.gathered is not None,
-                      num_warps=warps)
-        return kernel_module.reduce_scatter_all_gather_kernel, (grid,), args, kwargs
+        """(kernel, grid, args, kwargs) of one launch; `written` by SpanPlan.writes keyword,
+        `out` among them only where the span gathers nothing."""
+        outputs = dict(written)
+        return kernel_module.reduce_scatter_all_gather_launch(
+            tensors[plan.epilogue.source], buffer, outputs.pop("out", None), gathered,
+            tuning=tuning, **plan.epilogue.launch_options(tensors), **outputs)
 
     @staticmethod
     def _outputs(plan: ScatterPlan, device) -> tuple[dict, torch.Tensor | None]:
@@ -165,7 +147,7 @@ class SymmScatterGather(Algorithm):
             launch = state.get("launch")
             if launch is None:  # collective; the engine's first call is eager and in lockstep
                 buffer = state["buffer"] = symm_buffers.get_buffer(
-                    ctx.group, ctx.device, KIND, data_bytes, 0)
+                    ctx.group, ctx.device, kernel_module.KIND, data_bytes, 0)
                 state["shapes"] = [t.shape for t in tensors]
                 stand = {n: env[n].view(env[n].shape) for n in names}
                 written = {k: object() for k in plan.epilogue.writes if k != "out"
