@@ -1,14 +1,10 @@
 """The backward of rms_norm (and of add + rms_norm), one pass over the rows: d h, the residual's
 gradient folded in, and per-program partial sums of d weight.
 
-Unfused torch (what ops_autograd ran before; fp32 inside, one rounding per output):
-    h32, dy = h.float(), grad_out.float()
-    rstd = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
-    xhat = h32 * rstd
-    dyw = dy * weight.float()
-    dh = rstd * (dyw - xhat * (dyw * xhat).mean(-1, keepdim=True)) + grad_h.float()
-    dw = (dy * xhat).reshape(-1, h.shape[-1]).sum(0)
-    return dh.to(h.dtype), dw.to(weight.dtype)
+Unfused torch: infini_dist.ops_autograd.add_rms_norm_backward_torch, in fp32 with one rounding per
+output, computing per row
+    rstd = 1 / sqrt(mean(h^2) + eps),  xhat = h * rstd
+    dh = rstd * (dy * w - xhat * mean(dy * w * xhat)) + grad_h,   dw = sum over rows of dy * xhat
 
 That is a dozen kernels with fp32 intermediates of h's size; this kernel reads h, grad_out and
 grad_h once and writes dh once. Each program walks rows pid, pid + G, ... and keeps its share of
