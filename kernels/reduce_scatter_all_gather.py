@@ -13,7 +13,8 @@ which is dim 0's chunk q. Phase 1: each rank pushes its rows of chunk q into sta
 same order everywhere, hence the same bits as one reduction), rounds to the dtype like the
 reduce_scatter output, and runs the epilogue on whole rows (symm_chain.finish_item, with
 shard-local offsets): its side outputs (the new residual, the rsqrt) go to this rank's tensors,
-`out` to this rank's gathered region. Barrier. Phase 3 (GATHER): each rank copies every owner's
+`out` to this rank's gathered region. Barrier (also without a gather: it keeps a peer's next
+launch from writing staging rows this rank still sums). Phase 3 (GATHER): each rank copies every owner's
 gathered region into its place in the gathered output. Program p handles shard rows p, p + grid,
 ... in every phase, so its barrier orders exactly the rows it moves.
 
@@ -77,8 +78,10 @@ def reduce_scatter_all_gather_kernel(
                 tl.float32)
         finish(total.to(dtype).to(tl.float32), index, column, in_row, epilogue, EPILOGUE, ROW)
 
+    # Also without a gather: a peer that finished this launch may start the next one, whose
+    # phase 1 writes this rank's staging before any barrier, while these rows are still summed.
+    block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
     if GATHER:  # phase 3: every owner's rows into the gathered output
-        block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
         out_dtype = gathered_ptr.dtype.element_ty
         for row in range(first, rows, programs):
             for step in tl.static_range(WORLD_SIZE):
