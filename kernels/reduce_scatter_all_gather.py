@@ -14,9 +14,9 @@ same order everywhere, hence the same bits as one reduction), rounds to the dtyp
 reduce_scatter output, and runs the epilogue on whole rows (symm_chain.finish_item, with
 shard-local offsets): its side outputs (the new residual, the rsqrt) go to this rank's tensors,
 `out` to this rank's gathered region. Barrier (also without a gather: it keeps a peer's next
-launch from writing staging rows this rank still sums). Phase 3 (GATHER): each rank copies every owner's
-gathered region into its place in the gathered output. Program p handles shard rows p, p + grid,
-... in every phase, so its barrier orders exactly the rows it moves.
+launch from writing staging rows this rank still sums). Phase 3 (GATHER): each rank copies
+every owner's gathered region into its place in the gathered output. Program p handles shard
+rows p, p + grid, ... in every phase, so its barrier orders exactly the rows it moves.
 
 Staging fills the lower half of the buffer and the gathered region starts at its upper half, at
 offsets that do not depend on the shape: a rank that has left this launch writes peers' staging
