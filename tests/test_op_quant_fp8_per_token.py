@@ -166,6 +166,38 @@ def test_ninetoothed_chain_interpreted(pool, name, dtype):
         _check(name, shape, run(pool, chain_errors, name, chain_inputs(name, shape, dtype)))
 
 
+def compile_chain(name, shape, dtype):
+    """In the compile worker (launch_stub.compile_pool): the chain kernel as a launch would make
+    it, through Triton's CUDA backend down to a cubin for sm_90; launches nothing. Returns
+    whether its PTX converts to e4m3."""
+    from infini_dist.kernels import nt_runtime
+    from infini_dist.kernels.elementwise_chain import make
+    from infini_dist.kernels.rows import num_warps, row_blocks
+    nodes, inputs, outputs = CHAINS[name]
+    chain = chain_from_nodes(nodes, inputs, outputs)
+    block_m, block_n = row_blocks(shape[0], shape[1])
+    handle = make(chain, block_m, block_n, num_warps(block_m, block_n))
+    tensors = chain_inputs(name, shape, dtype)
+    outs = [torch.empty(s, dtype=d) for s, d in zip(
+        chain.output_shapes(shape), chain.output_dtypes([t.dtype for t in tensors]))]
+    # the arguments ninetoothed's launch function passes the Triton kernel, recorded
+    recorded = nt_runtime.fast_launch(handle, tensors + [shape[1]] + outs, tensors + outs)
+    compiled = recorded.kernel.warmup(*recorded._fill(tensors + outs), grid=recorded.grid,
+                                      **recorded.options)
+    return "cvt.rn.satfinite.e4m3x2" in compiled.asm["ptx"]
+
+
+def test_ninetoothed_chain_compiles_for_sm90(tmp_path):
+    """The interpreter compiles nothing: the (block_m, 1) tiles of the scales and the row max
+    through the GPU compiler, on the CPU."""
+    pytest.importorskip("triton.backends.nvidia")
+    from launch_stub import compile_pool
+    with compile_pool(str(tmp_path / "home")) as pool:
+        for name in sorted(CHAINS):
+            for shape, dtype in (((3, 37), torch.bfloat16), ((128, 5120), torch.float32)):
+                assert pool.submit(compile_chain, name, shape, dtype).result(timeout=600)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", sorted(CHAINS))
