@@ -15,6 +15,9 @@ broadcast to it) or "weight" tensors (a norm's 1-D weight or bias over the last 
           outputs=(4,))
 
 A chain with a row-norm step runs whole rows per tile; one without runs flat elementwise tiles.
+A rowwise op may also give "per-row" results (one fp32 value per row, of shape [..., 1]: the
+scales of a per-token quantization), which only a rowwise chain computes and which are only
+stored, never read by a later step.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ ROWWISE_OPS = {n: s.arity for n, s in _CHAIN_SPECS.items() if s.kind == "rowwise
 NUM_RESULTS = {n: s.num_outputs for n, s in _CHAIN_SPECS.items() if s.num_outputs != 1}
 VECTOR_OPERANDS = {n: frozenset(s.vectors) for n, s in _CHAIN_SPECS.items() if s.vectors}
 DEFAULT_ATTRS = {n: dict(s.attrs) for n, s in _CHAIN_SPECS.items() if s.attrs}
+PER_ROW_RESULTS = {n: frozenset(s.per_row_outputs) for n, s in _CHAIN_SPECS.items()
+                   if s.per_row_outputs}
+PER_ROW_DTYPE = torch.float32  # what a per-row result is stored as (spec.OpSpec.per_row_outputs)
+if set(PER_ROW_RESULTS) - set(ROWWISE_OPS):  # a spec error: only rowwise tiles hold whole rows
+    raise ValueError(f"ops {sorted(set(PER_ROW_RESULTS) - set(ROWWISE_OPS))} give per-row "
+                     "results but are not rowwise")
 GELU_APPROXIMATIONS = dict(SPECS["gelu"].choices)["approximate"]
 
 
@@ -80,9 +89,14 @@ class Chain:
             defined += NUM_RESULTS.get(step.op, 1)
         quantized = {slot for step, slots in zip(self.steps, self.result_slots())
                      if _CHAIN_SPECS[step.op].out_dtype is not None for slot in slots}
-        if any(set(step.reads) & quantized for step in self.steps):
-            # fp32 flows between steps, so a later step would read the value unquantized
-            raise UnsupportedChain("a quantized value may only be stored, not read again")
+        per_row = self.per_row_slots()
+        for step in self.steps:
+            if set(step.reads) & (quantized - per_row):
+                # fp32 flows between steps, so a later step would read the value unquantized
+                raise UnsupportedChain("a quantized value may only be stored, not read again")
+            if set(step.reads) & per_row:
+                # a (rows, 1) value in a (rows, row length) tile: no step is written for that
+                raise UnsupportedChain("a per-row value may only be stored, not read again")
         if not self.outputs:
             raise UnsupportedChain("a chain must store at least one value")
         for slot in self.outputs:
@@ -102,17 +116,31 @@ class Chain:
             next_slot += count
         return slots
 
+    def per_row_slots(self) -> frozenset[int]:
+        """The slots holding one value per row (shape [..., 1]), not one per element."""
+        return frozenset(slots[i] for step, slots in zip(self.steps, self.result_slots())
+                         for i in PER_ROW_RESULTS.get(step.op, ()))
+
+    def value_shape(self, slot: int, shape) -> tuple[int, ...]:
+        """The shape of a step result when the chain runs on row values of `shape`."""
+        shape = tuple(shape)
+        return shape[:-1] + (1,) if slot in self.per_row_slots() else shape
+
+    def output_shapes(self, shape) -> list[tuple[int, ...]]:
+        return [self.value_shape(slot, shape) for slot in self.outputs]
+
     def output_dtypes(self, input_dtypes):
         """The dtypes the op references give: an elementwise step promotes its operands as
         torch does (bf16 * an fp32 vector is fp32); a norm keeps its input's dtype; an op
-        with an `out_dtype` (a quantization) gives that."""
+        with an `out_dtype` (a quantization) gives that; a per-row result is fp32."""
         dtypes = list(input_dtypes)
         for step, slots in zip(self.steps, self.result_slots()):
             result = _CHAIN_SPECS[step.op].out_dtype or dtypes[step.reads[0]]
             if step.op not in ROWWISE_OPS and _CHAIN_SPECS[step.op].out_dtype is None:
                 for read in step.reads[1:]:
                     result = torch.promote_types(result, dtypes[read])
-            dtypes.extend(result for _ in slots)
+            per_row = PER_ROW_RESULTS.get(step.op, ())
+            dtypes.extend(PER_ROW_DTYPE if i in per_row else result for i in range(len(slots)))
         return [dtypes[slot] for slot in self.outputs]
 
 

@@ -76,11 +76,13 @@ def premake(chain: Chain, block_m: int, block_n: int):
     if chain.rowwise:
         tensors = ([Tensor(2 if kind == "row" else 1, other=0.0) for kind in chain.inputs]
                    + [Tensor(0)] + [Tensor(2) for _ in chain.outputs])
-        application = _application(chain, block_n)
-    else:
-        tensors = [Tensor(2) for _ in chain.inputs] + [Tensor(2) for _ in chain.outputs]
-        application = _application(chain, None)
-    return tiled_premake(arrangement, application, tuple(tensors), block_m, block_n)
+        first_output = len(chain.inputs) + 1  # after the inputs and num_cols
+        per_row = tuple(first_output + i for i, slot in enumerate(chain.outputs)
+                        if slot in chain.per_row_slots())
+        return tiled_premake(arrangement, _application(chain, block_n), tuple(tensors), block_m,
+                             block_n, per_row=per_row)
+    tensors = [Tensor(2) for _ in chain.inputs] + [Tensor(2) for _ in chain.outputs]
+    return tiled_premake(arrangement, _application(chain, None), tuple(tensors), block_m, block_n)
 
 
 @functools.cache
@@ -106,6 +108,8 @@ def prepare(chain: Chain, input_shapes, input_dtypes, fast_launch: bool = True):
         if kind == "weight" and s != (cols,):
             raise ValueError(f"a weight has shape {s}, expected ({cols},)")
     dtypes = chain.output_dtypes(input_dtypes)
+    # per output: the chain's shape, or [..., 1] for a per-row one (only in a rowwise chain)
+    out_shapes = [torch.Size(s) for s in chain.output_shapes(shape)]
     kinds, rowwise = chain.inputs, chain.rowwise
     first_row = kinds.index("row")
     kernels = {}
@@ -124,8 +128,9 @@ def prepare(chain: Chain, input_shapes, input_dtypes, fast_launch: bool = True):
         if [tuple(t.shape) for t in inputs] != input_shapes:
             raise ValueError(f"inputs of shapes {[tuple(t.shape) for t in inputs]}; this launch "
                              f"was prepared for {input_shapes}")
-        outs = [output(o, shape, d, inputs[first_row].device, f"outs[{i}]")
-                for i, (o, d) in enumerate(zip(outs or [None] * len(dtypes), dtypes))]
+        outs = [output(o, s, d, inputs[first_row].device, f"outs[{i}]")
+                for i, (o, s, d) in enumerate(zip(outs or [None] * len(dtypes), out_shapes,
+                                                  dtypes))]
         if shape.numel() == 0:
             return outs
         if not rowwise:
@@ -133,7 +138,7 @@ def prepare(chain: Chain, input_shapes, input_dtypes, fast_launch: bool = True):
             kernel_for(block_m, block_n)(*views)
             return outs
         args = [as_rows(t, shape) if kind == "row" else t for t, kind in zip(inputs, kinds)]
-        rows_kernel(*args, cols, *[as_rows(o, shape, written=True) for o in outs])
+        rows_kernel(*args, cols, *[as_rows(o, s, written=True) for o, s in zip(outs, out_shapes)])
         return outs
 
     # The fast path (nt_runtime.FastLaunch) takes calls whose every tensor is contiguous and of
@@ -153,7 +158,7 @@ def prepare(chain: Chain, input_shapes, input_dtypes, fast_launch: bool = True):
         else:
             views = ([as_rows(t, shape) if kind == "row" else t.view(t.shape)
                       for t, kind in zip(inputs, kinds)]
-                     + [as_rows(o, shape, written=True) for o in outs])
+                     + [as_rows(o, s, written=True) for o, s in zip(outs, out_shapes)])
             kernel, args = rows_kernel, views[:len(inputs)] + [cols] + views[len(inputs):]
         if any(v.data_ptr() != t.data_ptr() for v, t in zip(views, list(inputs) + outs)):
             return None  # a copy, not a view: the callers' tensors cannot stand in for it
@@ -169,10 +174,11 @@ def prepare(chain: Chain, input_shapes, input_dtypes, fast_launch: bool = True):
         outs = list(outs) if outs else [None] * len(dtypes)
         if len(outs) != len(dtypes):
             return normal(inputs, outs)
-        for i, (o, d) in enumerate(zip(outs, dtypes)):
+        for i, (o, s, d) in enumerate(zip(outs, out_shapes, dtypes)):
             if o is None:
-                outs[i] = torch.empty_like(like, dtype=d)
-            elif o.shape != shape or o.dtype is not d or not o.is_contiguous():
+                outs[i] = (torch.empty_like(like, dtype=d) if s == shape
+                           else torch.empty(s, dtype=d, device=like.device))
+            elif o.shape != s or o.dtype is not d or not o.is_contiguous():
                 return normal(inputs, outs)
         fast = state["fast"]
         if fast is None:
@@ -191,7 +197,8 @@ def prepare(chain: Chain, input_shapes, input_dtypes, fast_launch: bool = True):
 
 def elementwise_chain(chain: Chain, *inputs: torch.Tensor, outs=None) -> list[torch.Tensor]:
     """Run `chain` on `inputs` (one tensor per input slot). Returns one tensor per chain output,
-    of the row inputs' broadcast shape; `outs` may give some or all of them (None: allocate)."""
+    of the row inputs' broadcast shape (a per-row output: that shape with a last dim of 1);
+    `outs` may give some or all of them (None: allocate)."""
     check_dtypes(*inputs)
     launch = prepare(chain, [t.shape for t in inputs], [t.dtype for t in inputs])
     if outs is not None and len(outs) != len(chain.outputs):

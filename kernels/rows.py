@@ -22,18 +22,23 @@ TILE_ELEMENTS = 2048  # per program: 8 per thread at 8 warps, a 16-byte access f
 INT32_LIMIT = 1 << 31  # ninetoothed computes offsets in int32
 
 
-def arrangement(*tensors, block_m, block_n):
+def arrangement(*tensors, block_m, block_n, per_row=()):
     """2-D tensors -> (block_m, block_n) tiles. 1-D tensors are row vectors (a norm's weight):
-    their block_n tile is repeated for every row of tiles. 0-D tensors (scalars) pass through."""
-    tiled = [t.tile((block_m, block_n)) if t.ndim == 2 else t for t in tensors]
+    their block_n tile is repeated for every row of tiles. 0-D tensors (scalars) pass through.
+    The 2-D tensors at the positions in `per_row` hold one value per row (rows, 1): (block_m, 1)
+    tiles, the same rows as the others' tiles (row-wise kernels, whose tile holds whole rows)."""
+    tiled = [t.tile((block_m, 1 if i in per_row else block_n)) if t.ndim == 2 else t
+             for i, t in enumerate(tensors)]
     tile_rows = next(t.shape[0] for t in tiled if t.ndim == 2)
     return tuple(t.tile((block_n,)).unsqueeze(0).expand((tile_rows, -1)) if t.ndim == 1 else t
                  for t in tiled)
 
 
-def tiled_premake(arrangement, application, tensors, block_m: int, block_n: int):
-    """What `ninetoothed.make` takes: `arrangement` bound to a (block_m, block_n) tile."""
-    return functools.partial(arrangement, block_m=block_m, block_n=block_n), application, tensors
+def tiled_premake(arrangement, application, tensors, block_m: int, block_n: int, **options):
+    """What `ninetoothed.make` takes: `arrangement` bound to a (block_m, block_n) tile (and to
+    `options`, its other keyword arguments)."""
+    return (functools.partial(arrangement, block_m=block_m, block_n=block_n, **options),
+            application, tensors)
 
 
 def cached_make(premake):

@@ -54,8 +54,13 @@ def chain_cases():
     relu_scale = chain_from_nodes([OpNode("relu", ("y",), ("r",)),
                                    OpNode("scale", ("r",), ("out",), {"scale": 0.125})],
                                   ("y",), ("out",))
+    # an FP8 output and a per-row one (the scales, rows x 1) beside the residual sum
+    per_token = chain_from_nodes([OpNode("add_rms_norm", ("y", "res", "w"), ("n", "h")),
+                                  OpNode("quant_fp8_per_token", ("n",), ("q", "s"))],
+                                 ("y", "res", "w"), ("h", "q", "s"))
     return [(add_norm, [(3, 37), (3, 37), (37,)], torch.bfloat16),
-            (relu_scale, [(5, 37)], torch.float32)]
+            (relu_scale, [(5, 37)], torch.float32),
+            (per_token, [(3, 37), (3, 37), (37,)], torch.bfloat16)]
 
 
 def chain_inputs(shapes, dtype, call):

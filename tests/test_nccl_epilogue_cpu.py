@@ -18,6 +18,7 @@ from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 from interpreter_worker import interpreter_unusable
 from multirank import run_ranks
+from symm_cases import fp8_error
 
 CUDA = torch.device("cuda")
 GPU_CTX = RunContext(None, 2, 0, CUDA)
@@ -50,6 +51,11 @@ GRAPHS = {
                            N("mul", "g", "y", "out")], ["x"], ["out", "y"]),
     "custom_op": ([N("all_reduce", "x", "y"), N("test_nccl_epilogue_cube", "y", "out")],
                   ["x"], ["out"]),
+    # an FP8 output and a per-row one (the fp32 scales, rows x 1) beside the residual sum
+    "add_rms_norm_fp8_token": ([N("all_reduce", "x", "y"),
+                                N("add_rms_norm", "y", "res", "w", ("n", "h"), eps=1e-5),
+                                N("quant_fp8_per_token", "n", ("out", "scales"))],
+                               ["x", "res", "w"], ["out", "scales", "h"]),
 }
 
 
@@ -86,7 +92,7 @@ def supports(span, meta, ctx=GPU_CTX):
 
 
 @pytest.mark.parametrize("name", ["add_rms_norm_pair", "add_rms_norm", "relu_scale", "swiglu",
-                                  "reduced_also_read"])
+                                  "reduced_also_read", "add_rms_norm_fp8_token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_supports_epilogue_chains(name, dtype):
     span, meta = span_and_meta(name, dtype=dtype)
@@ -130,6 +136,8 @@ def test_plan_reuses_the_reduced_buffer_only_when_it_is_not_an_output():
     assert p.in_place == 0 and not p.returns_reduced
     p = plan(*span_and_meta("reduced_also_read"))
     assert p.returns_reduced and p.in_place is None and p.chain_outputs == ("out",)
+    p = plan(*span_and_meta("add_rms_norm_fp8_token", dtype=torch.float32))
+    assert p.chain_outputs == ("h", "out", "scales") and p.in_place == 0  # not the fp32 scales
 
 
 # ---- the runner on 2 gloo ranks, kernels interpreted ---------------------------------------------
@@ -137,7 +145,8 @@ def test_plan_reuses_the_reduced_buffer_only_when_it_is_not_an_output():
 RUN_CASES = [("add_rms_norm_pair", torch.bfloat16, (2, 3, 37)),
              ("add_rms_norm", torch.float32, (4, 64)),
              ("relu_scale", torch.float32, (5, 37)),
-             ("reduced_also_read", torch.bfloat16, (3, 37))]
+             ("reduced_also_read", torch.bfloat16, (3, 37)),
+             ("add_rms_norm_fp8_token", torch.bfloat16, (2, 3, 37))]
 
 
 def _digest(t):
@@ -163,11 +172,18 @@ def _rank_runs(rank, world_size, home):
         results[name] = {
             "outputs": sorted(got), "expected": sorted(span.outputs),
             "input_untouched": torch.equal(before, inputs["x"]),
-            "close": {n: op_registry.close_enough(got[n], env[n])
-                      for n in span.outputs if n in got},
+            "close": {n: _close(got[n], env[n], dtype) for n in span.outputs if n in got},
             "digests": {n: _digest(t) for n, t in got.items()}}
     results["engine"] = _through_the_engine(rank)
     return results
+
+
+def _close(got, expected, dtype):
+    """As the engine checks a choice (an fp32 output of bf16 inputs, the per-token scales, with
+    bf16's tolerance); FP8 values within one e4m3 step, as the symm tests check them."""
+    if expected.dtype == torch.float8_e4m3fn:
+        return fp8_error(got.double(), expected.double()) == 0
+    return op_registry.close_enough(got, expected, computed_in=dtype)
 
 
 class _CpuNcclEpilogue(NcclEpilogueAlgorithm):

@@ -1,19 +1,22 @@
 """quant_fp8_per_token (kernels/epilogue/quant_fp8_per_token.py): per row, scale = max|row| / 448
 (at least 1 / (448 * 512)), (row / scale).clamp(-448, 448) as float8_e4m3fn, and the fp32 scales
-(rows x 1); alone, and after all_reduce + add + RMSNorm in the symmetric-memory kernels."""
+(rows x 1); alone, and after all_reduce + add + RMSNorm in the symmetric-memory kernels and in
+the ninetoothed chain (nccl+nt_epilogue: the scales are the chain's per-row output)."""
 
 import pytest
 import torch
 
 from epilogue_checks import (DTYPES, check_symm, compiled_site, full_depth_symm_choices,
-                             fusing_algorithms, ops_of, randn)
+                             fusing_algorithms, ops_of, randn, unfused)
 from fx_graphs import ar, llama_norm
 from infini_dist.compile.fx_patterns import FORMS
 from infini_dist.kernels.chain import UnsupportedChain, chain_from_nodes
 from infini_dist.kernels.epilogue.quant_fp8_per_token import MIN_SCALE
 from infini_dist.scheduler import op_registry
+from infini_dist.scheduler.backends.nccl_epilogue import plan
 from infini_dist.scheduler.ir import OpNode, SubGraph
-from symm_cases import build
+from interpreter_worker import run
+from symm_cases import build, fp8_error, full_span, meta_of
 from symm_runs import symm_algorithms
 
 FP8 = torch.float8_e4m3fn
@@ -47,22 +50,160 @@ def test_reference_against_fp64(dtype):
         op_registry.run_node("quant_fp8_per_token", [torch.arange(6)], {})
 
 
-def test_no_ninetoothed_chain_the_symm_kernels_fuse_it():
-    # The chain kernel stores values of the chain's shape only; the scales are rows x 1.
-    with pytest.raises(UnsupportedChain, match="no chain kernel"):
-        chain_from_nodes([OpNode("quant_fp8_per_token", ("a",), ("q", "s"))], ["a"], ["q", "s"])
-    assert fusing_algorithms(build(PATTERN)) == {"symm"}
+def test_both_paths_fuse_it_after_add_rms_norm():
+    assert fusing_algorithms(build(PATTERN)) == {"nccl+nt_epilogue", "symm"}
+    assert fusing_algorithms(build(PATTERN), torch.float32) == {"nccl+nt_epilogue", "symm"}
+    p = plan(full_span(build(PATTERN)), meta_of(build(PATTERN), (2, 3, 64), torch.bfloat16))
+    assert p.chain_outputs == ("r", "q", "qs") and p.chain.rowwise
+    assert p.chain.output_shapes((2, 3, 64)) == [(2, 3, 64), (2, 3, 64), (2, 3, 1)]
+    assert p.chain.output_dtypes([torch.bfloat16] * 2 + [torch.float32]) == [
+        torch.bfloat16, FP8, torch.float32]
+    assert p.in_place == 0  # the reduced buffer takes the residual sum
+
+
+def test_the_plan_keeps_the_scales_out_of_the_reduced_buffer():
+    # fp32 scales have the dtype of an fp32 reduction, not its shape
+    graph = SubGraph((OpNode("all_reduce", ("x",), ("y",)),
+                      OpNode("rms_norm", ("y", "w"), ("n",), {"eps": 1e-5}),
+                      OpNode("quant_fp8_per_token", ("n",), ("q", "qs"))), ("x", "w"), ("q", "qs"))
+    assert fusing_algorithms(graph, torch.float32) == {"nccl+nt_epilogue", "symm"}
+    p = plan(full_span(graph), meta_of(graph, (4, 37), torch.float32))
+    assert p.chain_outputs == ("q", "qs") and p.in_place is None
+    meta = meta_of(graph, (4, 37), torch.float32)
+    meta["qs"] = meta["qs"]._replace(shape=(4, 37))  # scales of another shape are refused
+    with pytest.raises(UnsupportedChain, match="shape"):
+        plan(full_span(graph), meta)
 
 
 def test_the_engine_offers_every_symm_kernel_at_full_depth():
     assert full_depth_symm_choices(build(PATTERN)) == set(symm_algorithms())
 
 
-def test_per_token_needs_the_norms_whole_row():
+def test_per_token_needs_the_whole_row():
+    # The symmetric-memory kernels hold a whole row only in their norm slot; the chain kernel
+    # runs whole rows per tile in any chain with a rowwise op, this one included.
     graph = SubGraph((OpNode("all_reduce", ("x",), ("y",)),
                       OpNode("quant_fp8_per_token", ("y",), ("q", "qs"))), ("x",), ("q", "qs"))
-    assert fusing_algorithms(graph) == set()
+    assert fusing_algorithms(graph) == {"nccl+nt_epilogue"}
     assert full_depth_symm_choices(graph) == set()
+    assert chain_from_nodes(graph.nodes[1:], ["y"], ["q", "qs"]).rowwise
+
+
+def test_its_values_are_only_stored():
+    quant = OpNode("quant_fp8_per_token", ("a",), ("q", "s"))
+    with pytest.raises(UnsupportedChain, match="per-row value"):
+        chain_from_nodes([quant, OpNode("scale", ("s",), ("t",), {"scale": 2.0})], ["a"], ["t"])
+    with pytest.raises(UnsupportedChain, match="quantized"):
+        chain_from_nodes([quant, OpNode("relu", ("q",), ("r",))], ["a"], ["r"])
+
+
+# ---- the ninetoothed chain (nccl+nt_epilogue's kernel) ---------------------------------------
+
+def N(op, *names, **attrs):
+    """N("add", "a", "b", "c") is c = add(a, b); several outputs go in a tuple."""
+    *inputs, outputs = names
+    return OpNode(op, tuple(inputs), (outputs,) if isinstance(outputs, str) else tuple(outputs),
+                  attrs)
+
+
+CHAINS = {  # name: (nodes, inputs, outputs)
+    "add_rms_norm": ([N("add_rms_norm", "ar", "res", "w", ("n", "h"), eps=1e-5),
+                      N("quant_fp8_per_token", "n", ("q", "s"))], ["ar", "res", "w"],
+                     ["q", "s", "h"]),
+    "rms_norm": ([N("rms_norm", "ar", "w", "n", eps=1e-6),
+                  N("quant_fp8_per_token", "n", ("q", "s"))], ["ar", "w"], ["s", "q"]),
+    # past the row end sigmoid makes 0.5 of the zeros, above every value here: masked off
+    "sigmoid": ([N("sigmoid", "ar", "a"), N("quant_fp8_per_token", "a", ("q", "s"))], ["ar"],
+                ["q", "s"]),
+}
+
+
+def chain_inputs(name, shape, dtype, device="cpu"):
+    values = {"ar": randn(shape, 1, dtype) * 3, "res": randn(shape, 2, dtype),
+              "w": randn(shape[-1:], 3, offset=1.0)}
+    if name == "sigmoid":
+        values["ar"] = randn(shape, 1, dtype, offset=-4.0)
+    _, inputs, _ = CHAINS[name]
+    return [values[n].to(device) for n in inputs]
+
+
+def chain_errors(name, tensors):
+    """Run the chain (in the interpreter's process under `pool`, or on the GPU) and compare its
+    outputs with the references on the CPU. The FP8 values: with the quantization of the same
+    value computed in fp32 (the kernel's contract: fp32 between steps) and with the step-by-step
+    references (which round the norm's output to the input dtype first), each within one e4m3
+    step (`fp8_error`, which knows the interpreter's conversion, as the symmetric-memory tests
+    compare); the scales: with the fp32 quantization's; every other output as the engine checks
+    it. Returns ((FP8 errors), worst relative scale error, outputs not close)."""
+    from infini_dist.kernels.elementwise_chain import elementwise_chain
+    nodes, inputs, outputs = CHAINS[name]
+    got = [t.cpu() for t in elementwise_chain(chain_from_nodes(nodes, inputs, outputs), *tensors)]
+    cpu = [t.cpu() for t in tensors]
+    in_fp32 = dict(zip(outputs, unfused(nodes, inputs, outputs, [t.float() for t in cpu])))
+    stepwise = dict(zip(outputs, unfused(nodes, inputs, outputs, cpu)))
+    out = dict(zip(outputs, got))
+    assert out["q"].dtype == FP8 and out["q"].shape == cpu[0].shape
+    assert out["s"].dtype == torch.float32 and out["s"].shape == cpu[0].shape[:-1] + (1,)
+    fp8 = tuple(fp8_error(out["q"].double(), ref["q"].double()) for ref in (in_fp32, stepwise))
+    scale_error = float(((out["s"].double() - in_fp32["s"].double()).abs()
+                         / in_fp32["s"].double()).max())
+    not_close = [n for n in outputs if n != "q" and not op_registry.close_enough(
+        out[n], stepwise[n], computed_in=cpu[0].dtype)]
+    return fp8, scale_error, not_close
+
+
+def _check(name, shape, errors):
+    fp8, scale, not_close = errors
+    assert fp8 == (0, 0), (name, shape, fp8)  # every value within one e4m3 step of both
+    assert scale <= 1e-5, (name, shape, scale)  # fp32 sums and rsqrt in another order
+    assert not not_close, (name, shape, not_close)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_ninetoothed_chain_interpreted(pool, name, dtype):
+    for shape in [(2, 3, 37), (4, 64), (3, 100)]:  # odd, a power of two, and between
+        _check(name, shape, run(pool, chain_errors, name, chain_inputs(name, shape, dtype)))
+
+
+def compile_chain(name, shape, dtype):
+    """In the compile worker (launch_stub.compile_pool): the chain kernel as a launch would make
+    it, through Triton's CUDA backend down to a cubin for sm_90; launches nothing. Returns
+    whether its PTX converts to e4m3."""
+    from infini_dist.kernels import nt_runtime
+    from infini_dist.kernels.elementwise_chain import make
+    from infini_dist.kernels.rows import num_warps, row_blocks
+    nodes, inputs, outputs = CHAINS[name]
+    chain = chain_from_nodes(nodes, inputs, outputs)
+    block_m, block_n = row_blocks(shape[0], shape[1])
+    handle = make(chain, block_m, block_n, num_warps(block_m, block_n))
+    tensors = chain_inputs(name, shape, dtype)
+    outs = [torch.empty(s, dtype=d) for s, d in zip(
+        chain.output_shapes(shape), chain.output_dtypes([t.dtype for t in tensors]))]
+    # the arguments ninetoothed's launch function passes the Triton kernel, recorded
+    recorded = nt_runtime.fast_launch(handle, tensors + [shape[1]] + outs, tensors + outs)
+    compiled = recorded.kernel.warmup(*recorded._fill(tensors + outs), grid=recorded.grid,
+                                      **recorded.options)
+    return "cvt.rn.satfinite.e4m3x2" in compiled.asm["ptx"]
+
+
+def test_ninetoothed_chain_compiles_for_sm90(tmp_path):
+    """The interpreter compiles nothing: the (block_m, 1) tiles of the scales and the row max
+    through the GPU compiler, on the CPU."""
+    pytest.importorskip("triton.backends.nvidia")
+    from launch_stub import compile_pool
+    with compile_pool(str(tmp_path / "home")) as pool:
+        for name in sorted(CHAINS):
+            for shape, dtype in (((3, 37), torch.bfloat16), ((128, 5120), torch.float32)):
+                assert pool.submit(compile_chain, name, shape, dtype).result(timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_ninetoothed_chain_on_gpu(name, dtype):
+    for shape in [(1, 4096), (128, 5120), (3, 4100), (2, 3, 37)]:
+        _check(name, shape, chain_errors(name, chain_inputs(name, shape, dtype, "cuda")))
 
 
 def test_every_symm_kernel_interpreted(monkeypatch):

@@ -5,8 +5,8 @@ dynamic_per_token_scaled_fp8_quant: per row, scale = max(|row|) / 448 in fp32, f
 scales of shape rows x 1).
 
 The scale needs the whole row, so it is a "rowwise" op; in the symmetric-memory kernels it
-quantizes the norm's output, whose row one program holds. The ninetoothed chain stores only
-values of the chain's shape, so it has no chain code (the scales are rows x 1)."""
+quantizes the norm's output, whose row one program holds. In the ninetoothed chain it makes the
+chain rowwise (whole rows per tile), and the scales are a per-row result (rows x 1, fp32)."""
 
 import torch
 
@@ -37,11 +37,22 @@ def _vllm_native(x):
     return (x.to(torch.float32) * scales.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 
+def _nt_code(step, args, out):
+    # Lanes past the row end hold whatever earlier steps made of zeros (sigmoid: 0.5): the
+    # row's max must skip them.
+    q, s = out
+    return [f"{s}_abs = ntl.where(in_row, ntl.abs({args[0]}), 0.0)",
+            f"{s} = ntl.maximum(ntl.max({s}_abs, axis=1, keep_dims=True) / {FP8_MAX}, "
+            f"{MIN_SCALE!r})",
+            f"{q} = ntl.minimum(ntl.maximum({args[0]} / {s}, -{FP8_MAX}), {FP8_MAX})"]
+
+
 SPEC = OpSpec(
     "quant_fp8_per_token", "rowwise", 1, quant_fp8_per_token, native=_vllm_native,
-    num_outputs=2, out_dtype=FP8,
+    num_outputs=2, out_dtype=FP8, per_row_outputs=(1,),
     spellings=(Spelling("quant_fp8_per_token", _divided),
                Spelling("quant_fp8_per_token_vllm", _vllm_native)),
+    nt_code=_nt_code,
     # y is zero past the row end, so the max over the padded row is the row's
     symm_quant=SymmQuant(
         f"row_scale = tl.maximum(tl.max(tl.abs(y), axis=-1, keep_dims=True) / {FP8_MAX}, "

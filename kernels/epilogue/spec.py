@@ -5,7 +5,9 @@ Pure Python and torch: the engine imports the specs without Triton or ninetoothe
 code of an op is therefore source text, spliced into the one generated kernel of each chain:
 
 - `nt_code(step, args, results)`: statements of the ninetoothed chain (elementwise_chain), in
-  fp32 locals; `nt_helpers` names the single-op kernels' helpers the statements call.
+  fp32 locals; `nt_helpers` names the single-op kernels' helpers the statements call. A rowwise
+  op's statements see whole rows (`in_row` masks the lanes past the row end, `num_cols` is the
+  row length); a result listed in `per_row_outputs` is a (rows, 1) local, stored as such.
 - `symm_steps`: the op as a step of the symmetric-memory chain (symm_chain.apply_op). Each is
   an expression of `x` (the fp32 chain value), `scalar` and `side` (the fp32 side operand).
 - `symm_norm`: the op in the norm slot of the symmetric-memory kernels (symm_chain.finish_item):
@@ -95,6 +97,9 @@ class OpSpec:
     choices: tuple[tuple[str, tuple], ...] = ()  # attrs taking one of some strings, not numbers
     vectors: tuple[int, ...] = ()  # operands that are 1-D over the last dim (weight, bias)
     out_dtype: torch.dtype | None = None  # None: the input's (promoted) dtype
+    # Results (by index) holding one fp32 value per row, shape [..., 1] (a reduction over the
+    # whole row, such as per-token scales): `out_dtype` is not theirs; they are only stored.
+    per_row_outputs: tuple[int, ...] = ()
     spellings: tuple[Spelling, ...] = ()
     nt_code: Callable | None = None
     nt_helpers: tuple[str, ...] = ()  # "module:function" under infini_dist.kernels

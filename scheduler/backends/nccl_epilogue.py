@@ -5,10 +5,12 @@ Unfused torch (the epilogue here: add -> rms_norm):
     h = y + residual; out = rms_norm(h, weight, eps)        # one kernel launch per op
 
 The epilogue nodes become a chain (`infini_dist.kernels.chain`): any run of elementwise ops, with
-rms_norm / add_rms_norm anywhere in it, reading the reduced value and side tensors. The kernel
-writes only the span's live outputs; when the reduced value itself is not one of them, its buffer
-takes one of the outputs in place (no extra allocation). Tile shapes depend on shapes alone, so
-every rank runs the same kernel and gets bitwise the same result from the same reduced input.
+rms_norm / add_rms_norm anywhere in it, reading the reduced value and side tensors; a norm's
+output may be quantized to FP8, statically or per token (the scales: a per-row output, rows x 1,
+fp32). The kernel writes only the span's live outputs; when the reduced value itself is not one
+of them, its buffer takes one of the outputs of its shape and dtype in place (no extra
+allocation). Tile shapes depend on shapes alone, so every rank runs the same kernel and gets
+bitwise the same result from the same reduced input.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def plan(span, meta) -> _Plan:
     cols = shape[-1] if shape else 1
     if chain.rowwise and next_power_of_2(cols) > MAX_ROW_BLOCK:
         raise UnsupportedChain(f"rows of {cols} elements are too long for one tile")
+    # in slot order: the chain numbers the nodes' results as they come
     produced = [n for i in span.epilogue for n in graph.nodes[i].outputs]
     for name in (source,) + chain_inputs + tuple(produced):
         m = _meta(meta, name)
@@ -76,9 +79,10 @@ def plan(span, meta) -> _Plan:
         if m.device != anchor_meta.device:
             raise UnsupportedChain(f"{name!r} is on {m.device}, the reduction on "
                                    f"{anchor_meta.device}")
-    for name in produced:
-        if tuple(meta[name].shape) != shape:
-            raise UnsupportedChain(f"{name!r} has shape {tuple(meta[name].shape)}, not {shape}")
+    for slot, name in enumerate(produced, start=len(chain_inputs)):
+        expected = chain.value_shape(slot, shape)  # a per-row value is [..., 1]
+        if tuple(meta[name].shape) != expected:
+            raise UnsupportedChain(f"{name!r} has shape {tuple(meta[name].shape)}, not {expected}")
     for name, kind in zip(chain_inputs, chain.inputs):
         side_shape = tuple(meta[name].shape)
         if kind == "weight" and side_shape != (cols,):
@@ -93,8 +97,9 @@ def plan(span, meta) -> _Plan:
     if dtypes != [meta[n].dtype for n in chain_outputs]:
         raise UnsupportedChain("output dtypes differ from the references'")
     in_place = None
-    if not returns_reduced:
-        in_place = next((i for i, d in enumerate(dtypes) if d == anchor_meta.dtype), None)
+    if not returns_reduced:  # an output the reduced buffer can hold: its dtype and shape
+        in_place = next((i for i, (d, s) in enumerate(zip(dtypes, chain.output_shapes(shape)))
+                         if d == anchor_meta.dtype and s == shape), None)
     return _Plan(source, reduced, chain, chain_inputs, chain_outputs, returns_reduced, in_place)
 
 
