@@ -27,7 +27,6 @@ from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMet
                                            generate_choices, native_choice, resolve_group,
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, control_plane
-from infini_dist.scheduler.data_plane import describe
 from infini_dist.scheduler.lockstep import TuningError
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
 from infini_dist.scheduler.op_registry import close_enough, generation, get_op
@@ -38,6 +37,7 @@ log = logging.getLogger("infini_dist")
 
 # Test hook: transforms this rank's medians before they are shared (inject timing noise).
 timing_hook = None
+FUSES_NOTHING = [0]  # compiled sites' bucket decisions that fuse nothing: compile/recompile.py
 
 
 def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
@@ -189,6 +189,7 @@ class SiteRunner:
             # rank failing before its collective must not leave its peers inside theirs.
             lockstep.agreed(self.settings, plane, "first run", lambda: choice.run(tuned))
             self._decided[bucket] = choice.name
+            FUSES_NOTHING[0] += self.compiled and choice.fuses_nothing
             if buckets.same_layout(values, tuned):
                 return choice
             name = choice.name
@@ -304,7 +305,7 @@ class SiteRunner:
                     error = f"output {wrong} differs from the fp32 reference"
                 digest = data_plane.digest(out)
             except Exception as exc:  # noqa: BLE001 - a failing choice is dropped, not fatal
-                error = describe(exc)
+                error = data_plane.describe(exc)
             if not lockstep.agree_failures(s, [choice], {choice.name: error}, plane,
                                            f"trial {choice.name}"):
                 continue

@@ -23,10 +23,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
 from infini_dist.compile.backend import BACKEND_NAME, register as _register_backend
 from infini_dist.compile.passes import FUSION_PASS, FusionPass, fuse_sites, last_sites, stats
+from infini_dist.compile.recompile import recompiles, recompiling
 from infini_dist.compile.runtime_op import decisions
 
 __all__ = ["enable", "disable", "inductor_options", "compile_model", "FusionPass", "fuse_sites",
-           "decisions", "stats", "last_sites", "BACKEND_NAME"]
+           "decisions", "stats", "last_sites", "recompiles", "BACKEND_NAME"]
 
 _register_backend()
 
@@ -121,14 +122,17 @@ def disable() -> None:
 
 
 def compile_model(model, *, backend: str = "inductor", mode: str | None = None,
-                  options: dict | None = None, **kwargs):
+                  options: dict | None = None, recompile_decided: bool = True, **kwargs):
     """torch.compile with the infini_dist pass. With Inductor, `mode` is turned into its options
     (torch.compile takes mode or options, not both) and ours are added; backend='infini_dist'
-    runs the pass without Inductor."""
+    runs the pass without Inductor. `recompile_decided`: compile again at the first call after
+    a site decided native or to fuse nothing, so that such sites become Inductor's own code
+    (compile/recompile.py; a few times at most)."""
     if backend == BACKEND_NAME:
         if options or mode:
             raise ValueError("compile_model: mode and options apply to the Inductor backend only")
-        return torch.compile(model, backend=BACKEND_NAME, **kwargs)
+        compiled = torch.compile(model, backend=BACKEND_NAME, **kwargs)
+        return recompiling(compiled, model) if recompile_decided else compiled
     if backend != "inductor":
         raise ValueError(f"compile_model: backend must be 'inductor' or {BACKEND_NAME!r}, "
                          f"got {backend!r}")
@@ -137,4 +141,5 @@ def compile_model(model, *, backend: str = "inductor", mode: str | None = None,
         from torch._inductor import list_mode_options
         merged.update(list_mode_options(mode, kwargs.get("dynamic")))
     merged.update(options or {})
-    return torch.compile(model, backend="inductor", options=inductor_options(merged), **kwargs)
+    compiled = torch.compile(model, backend="inductor", options=inductor_options(merged), **kwargs)
+    return recompiling(compiled, model) if recompile_decided else compiled
