@@ -265,7 +265,7 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     not use. `quant`: a quant code, quantizing `out` last (`quant_scale`: its scalar; `scales`:
     the rows x 1 fp32 scales a per-row quantizer writes).
     Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
-    bound once and reused with other tensors of the same shape (scheduler/backends/symm.PreparedLaunch)."""
+    bound once and reused with other tensors of the same shape (scheduler/backends/symm_launch.PreparedLaunch)."""
     if rstd is not None and norm not in RSTD_NORMS:
         raise ValueError(f"norm code {norm} has no rsqrt to write; those that do: "
                          f"{sorted(RSTD_NORMS)}")

@@ -194,6 +194,7 @@ class Choice:
         self.span = span
         self.algorithm = algorithm
         self._runner: Runner | None = None
+        self._direct = False
         self.outputs = live_outputs(graph, site.region)
 
     @property
@@ -205,8 +206,17 @@ class Choice:
         self._ctx = ctx
         if self.span is not None:
             self._runner = self.algorithm.compile(self.span, meta, ctx)
+        self._direct = self._whole_span
+
+    @property
+    def _whole_span(self) -> bool:
+        """One fused span that is the whole site: its runner's result is the choice's."""
+        return (self._runner is not None and len(self.steps) == 1
+                and set(self.span.outputs) == set(self.outputs))
 
     def run(self, inputs: dict) -> dict:
+        if self._direct:
+            return self._runner(inputs)
         env = dict(inputs)
         for kind, payload in self.steps:
             if kind == "nodes":

@@ -28,7 +28,7 @@ from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMet
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, control_plane
 from infini_dist.scheduler.lockstep import TuningError
-from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, find_sites, live_outputs
+from infini_dist.scheduler.ir import Site, SubGraph, find_sites, site_subgraph
 from infini_dist.scheduler.op_registry import close_enough, generation, get_op
 from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.shapes import site_meta
@@ -38,13 +38,6 @@ log = logging.getLogger("infini_dist")
 # Test hook: transforms this rank's medians before they are shared (inject timing noise).
 timing_hook = None
 FUSES_NOTHING = [0]  # compiled sites' bucket decisions that fuse nothing: compile/recompile.py
-
-
-def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
-    """The site's region as a graph of its own: its signature is the same wherever it occurs."""
-    region = sorted(site.region)
-    return SubGraph(tuple(graph.nodes[i] for i in region), external_inputs(graph, region),
-                    live_outputs(graph, region))
 
 
 class SiteRunner:
@@ -76,7 +69,8 @@ class SiteRunner:
     def run(self, env: dict, group) -> dict:
         values = {name: env[name] for name in self.inputs}
         group = resolve_group(self.group_name, group)
-        local = (id(group),) + tuple((tuple(v.shape), v.dtype, v.is_contiguous(), v.device)
+        # torch.Size hashes and compares as the tuple it is: no copy per call.
+        local = (id(group),) + tuple((v.shape, v.dtype, v.is_contiguous(), v.device)
                                      if isinstance(v, torch.Tensor) else (type(v), v)
                                      for v in values.values())
         choice = self._committed.get(local)
@@ -367,8 +361,14 @@ class GraphExecutor:
                 # Prologue nodes are private to their anchor, so running them here is safe.
                 self.plan.append(("site", SiteRunner(graph, site, settings, compiled)))
         self.has_loose = any(kind == "node" for kind, _ in self.plan)
+        only = self.plan[0][1] if len(self.plan) == 1 and not self.has_loose else None
+        # A graph that is one site (every eager op): calls go straight to its runner.
+        self._only = only if only and set(only.outputs) == set(graph.output_names) else None
+        self._only_names = frozenset(graph.input_names)
 
     def run(self, inputs: dict, group=None) -> dict:
+        if self._only is not None and inputs.keys() == self._only_names:
+            return self._only.run(inputs, group)
         missing = [n for n in self.graph.input_names if n not in inputs]
         if missing:
             raise ValueError(f"missing graph inputs: {missing}")

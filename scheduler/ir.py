@@ -343,3 +343,10 @@ def external_inputs(graph: SubGraph, covered: Iterable[int]) -> tuple[str, ...]:
             if name not in produced and name not in seen:
                 seen.append(name)
     return tuple(seen)
+
+
+def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
+    """The site's region as a graph of its own: its signature is the same wherever it occurs."""
+    region = sorted(site.region)
+    return SubGraph(tuple(graph.nodes[i] for i in region), external_inputs(graph, region),
+                    live_outputs(graph, region))

@@ -27,7 +27,7 @@ from symm_cases import (PATTERNS, RSTD_TOLERANCE, TRAIN, build, digest,  # noqa:
 
 import infini_dist  # noqa: E402
 from infini_dist.kernels import symm_buffers  # noqa: E402
-from infini_dist.scheduler.backends.symm import tuning_of  # noqa: E402
+from infini_dist.scheduler.backends.symm_launch import tuning_of  # noqa: E402
 from infini_dist.scheduler.choices import RunContext  # noqa: E402
 from symm_runs import CALLABLE_CASES, by_callable, symm_algorithms  # noqa: E402
 

@@ -19,7 +19,8 @@ import sys
 import torch
 
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
-from infini_dist.scheduler.backends.symm import plan_span, tuning_of
+from infini_dist.scheduler.backends.symm import plan_span
+from infini_dist.scheduler.backends.symm_launch import tuning_of
 from infini_dist.scheduler.choices import RunContext, algorithms_for
 from multirank import SAFE_GPU_ENV, run_ranks
 from symm_cases import (RSTD_TOLERANCE, TRAIN, build, digest, full_span, make_inputs,

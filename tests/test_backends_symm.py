@@ -13,7 +13,8 @@ import infini_dist
 from infini_dist.kernels import symm_chain
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
-from infini_dist.scheduler.backends.symm import plan_span, tuning_of
+from infini_dist.scheduler.backends.symm import plan_span
+from infini_dist.scheduler.backends.symm_launch import tuning_of
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, generate_choices
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 from symm_cases import PATTERNS, RSTD, TRAIN, build, full_span, meta_of

@@ -5,7 +5,7 @@ the calling thread to their pool during a warm-up, and report whatever outlives 
 - The engine on 2 gloo ranks: tuning and the first run of the committed choice happen on another
   thread than the caller's; after the calls, no input, output or intermediate of any call
   (tuning's references and trial outputs included) is alive, while the committed choices are.
-- The cached launchers (backends.symm.PreparedLaunch and its nt_runtime.FastLaunch, the
+- The cached launchers (backends.symm_launch.PreparedLaunch and its nt_runtime.FastLaunch, the
   ninetoothed chain launch of nccl+nt_epilogue) keep no tensor of their calls, on Triton's real
   launch path (a stand-in driver, tests/launch_stub.py), after taking the fast path.
 """
@@ -84,7 +84,7 @@ def _stub_kept_tensors():
     import torch.distributed as dist
     from infini_dist.kernels.elementwise_chain import prepare
     from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm
-    from infini_dist.scheduler.backends.symm import PreparedLaunch
+    from infini_dist.scheduler.backends.symm_launch import PreparedLaunch
     from infini_dist.scheduler.choices import RunContext
     from symm_cases import make_inputs
     from launch_stub import SYMM_CASES, chain_cases, chain_inputs, stub_symm_case

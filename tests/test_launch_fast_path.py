@@ -1,5 +1,5 @@
 """The fast launch path (`nt_runtime.FastLaunch`) of the symmetric-memory runners
-(`backends.symm.PreparedLaunch`) and of the ninetoothed chain kernels
+(`backends.symm_launch.PreparedLaunch`) and of the ninetoothed chain kernels
 (`elementwise_chain.prepare`) under Triton's interpreter (CPU): the prepared launches give
 bitwise the outputs of the normal path, and, the interpreter returning no CompiledKernel, every
 FastLaunch falls back to the normal path for good after its first call.
@@ -20,7 +20,7 @@ from symm_cases import make_inputs, max_error, reference
 # ---- the interpreter: same outputs, fallback detected --------------------------------------------
 
 def _interpreted_symm_rank(rank, world_size, storages):
-    from infini_dist.scheduler.backends.symm import PreparedLaunch
+    from infini_dist.scheduler.backends.symm_launch import PreparedLaunch
     from infini_dist.kernels.symm_buffers import from_peer_tensors
     report = []
     for index, (kind, pattern, shape, dtype) in enumerate(SYMM_CASES):

@@ -28,7 +28,7 @@ from symm_cases import make_inputs
 def _stub_symm_checks():
     """In the stub process. Returns a list of (what, ok, detail)."""
     from infini_dist.kernels import nt_runtime
-    from infini_dist.scheduler.backends.symm import PreparedLaunch
+    from infini_dist.scheduler.backends.symm_launch import PreparedLaunch
     checks = []
     rank = 1
     for kind, pattern, shape, dtype in SYMM_CASES + [("two_shot", "add_rms_norm", (2, 64),
@@ -155,7 +155,7 @@ def _stub_host_costs(shape=(1, 4096), dtype=torch.bfloat16) -> dict:
 
     import infini_dist
     from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm
-    from infini_dist.scheduler.backends.symm import PreparedLaunch
+    from infini_dist.scheduler.backends.symm_launch import PreparedLaunch
     from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
     from test_nccl_epilogue_cpu import span_and_meta, tensors_for
     costs = {}

@@ -94,7 +94,7 @@ CASES = [("norm_gather", (6, 40), F32), ("train_gather", (4, 3, 64), F32),
 def scatter_rank(rank, world, storages, cases):
     import infini_dist
     from infini_dist.kernels.symm_buffers import from_peer_tensors
-    from infini_dist.scheduler.backends.symm import tuning_of
+    from infini_dist.scheduler.backends.symm_launch import tuning_of
     from infini_dist.scheduler.backends.symm_scatter import plan_scatter
     ctx = RunContext(None, world, rank, torch.device("cuda"),
                      settings=infini_dist.config.snapshot())

@@ -20,7 +20,7 @@ call in lockstep on every rank and eagerly, before any CUDA-graph capture. `comp
 local work: it builds the launch and runs it once on private scratch memory whose barriers are
 pre-satisfied, which compiles the Triton kernel with no cross-rank traffic.
 
-A runner launches through `PreparedLaunch`: everything but the tensors is bound once per
+A runner launches through `PreparedLaunch` (symm_launch.py): everything but the tensors is bound once per
 (plan, buffer), and after its first call the compiled kernel is launched directly
 (`nt_runtime.FastLaunch`): ~75 -> ~10 us of Python per eager call on our CPU machine
 (launch stubbed; docs/notes_symm.md, "Host launch overhead").
@@ -36,7 +36,6 @@ import torch
 from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce
 from infini_dist.kernels.lamport_two_shot import lamport_two_shot_all_reduce
-from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.epilogue import SPECS
@@ -47,6 +46,7 @@ from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
 from infini_dist.scheduler import op_registry
+from infini_dist.scheduler.backends.symm_launch import PreparedLaunch, warm_up
 from infini_dist.scheduler.choices import Algorithm
 
 ONE_SHOT_MAX_BYTES = 8 << 20   # past this every rank moving the whole tensor W times loses
@@ -104,13 +104,17 @@ class SpanPlan:
         return ("out",) + tuple(k for k in ("pre", "rstd", "reduced", "scales")
                                 if getattr(self, k))
 
-    def allocate(self, device) -> dict:
+    def allocate(self, device, like: torch.Tensor | None = None) -> dict:
         """Fresh tensors for `writes`: `out` in the quantizer's dtype where quantized, the others
-        in the plan's; rstd and a per-row quantizer's scales fp32, one per row."""
+        in the plan's; rstd and a per-row quantizer's scales fp32, one per row. `like`: a
+        contiguous tensor of the plan's shape on `device`, allocated after (empty_like takes
+        half the host time of torch.empty(shape, dtype=, device=))."""
         def empty(key):
             if key in ("rstd", "scales"):
                 return torch.empty(self.shape[:-1] + (1,), dtype=torch.float32, device=device)
             dtype = (self.out_dtype or self.dtype) if key == "out" else self.dtype
+            if like is not None:
+                return torch.empty_like(like, dtype=dtype)
             return torch.empty(self.shape, dtype=dtype, device=device)
         return {k: empty(k) for k in self.writes}
 
@@ -125,14 +129,6 @@ class SpanPlan:
     def results(self, written: dict) -> dict:
         slot = {getattr(self, k): k for k in self.writes}
         return {name: written[slot[name]] for name in self.outputs}
-
-
-def tuning_of(settings) -> SymmTuning:
-    """The kernels' launch knobs from the engine's settings (None: the kernels' defaults)."""
-    if settings is None:
-        return DEFAULT_TUNING
-    return SymmTuning(settings.symm_timeout_s, settings.symm_group_items,
-                      settings.symm_round_items)
 
 
 def _same(meta, name, like) -> bool:
@@ -283,41 +279,6 @@ def _norm_operands(node, current, x, meta, external) -> dict | None:
     return roles
 
 
-class PreparedLaunch:
-    """`algorithm.launch(plan, env, buffer)` for one plan and buffer, with the per-call host
-    work cut to: look up the inputs, check them, allocate the outputs, launch
-    (`nt_runtime.FastLaunch`). Inputs of other shapes or layouts than the first call's take
-    `algorithm.launch`, which copies them contiguous. `fast=False` (the fast_launch setting):
-    every call takes `algorithm.launch`, exactly the normal path, for A/B timing."""
-
-    def __init__(self, algorithm, plan: SpanPlan, buffer, env: dict,
-                 tuning: SymmTuning = DEFAULT_TUNING, fast: bool = True):
-        self.algorithm, self.plan, self.buffer, self.tuning = algorithm, plan, buffer, tuning
-        self.names = plan.tensor_inputs
-        self.shapes = tuple(env[name].shape for name in self.names)
-        # Stand-ins, each its own object, so FastLaunch can tell which argument is which
-        # per-call tensor (x also fills the unused pointer slots).
-        inputs = {name: env[name].view(env[name].shape) for name in self.names}
-        written = {k: object() for k in plan.writes}
-        kernel, grid, args, kwargs = algorithm.launch_arguments(
-            plan, inputs[plan.source], inputs, buffer, written, tuning)
-        per_call = [inputs[name] for name in self.names] + list(written.values())
-        self.launch = FastLaunch(kernel, grid, args, kwargs, per_call, enabled=fast)
-        self.enabled = fast
-
-    def __call__(self, env: dict) -> dict:
-        tensors = [env[name] for name in self.names]
-        x = tensors[0]
-        if x.dtype is not self.plan.dtype or not self.enabled:
-            return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
-        for tensor, shape in zip(tensors, self.shapes):
-            if tensor.shape != shape or not tensor.is_contiguous():
-                return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
-        written = self.plan.allocate(x.device)
-        self.launch(*tensors, *written.values())
-        return self.plan.results(written)
-
-
 class SymmAllReduce(Algorithm):
     """The engine's choice `name`: one symm_call.SymmKernel (`kernel`) for spans of at most
     `max_bytes`."""
@@ -349,7 +310,7 @@ class SymmAllReduce(Algorithm):
         """One launch through Triton's normal path; inputs of any layout."""
         tensors = {name: env[name].contiguous() for name in plan.tensor_inputs}
         x = tensors[plan.source]
-        written = plan.allocate(x.device)
+        written = plan.allocate(x.device, x)
         kernel, grid, args, kwargs = self.launch_arguments(plan, x, tensors, buffer, written,
                                                            tuning)
         kernel[grid](*args, **kwargs)
@@ -369,23 +330,6 @@ class SymmAllReduce(Algorithm):
                                                               fast)
             return prepared(env)
         return run
-
-
-def warm_up(algorithm, plan, names, meta, ctx) -> tuple[int, SymmTuning, bool]:
-    """Compile `algorithm`'s kernel for `plan` by one launch on private scratch whose barriers
-    are already met: no peer takes part, so every rank may compile at its own pace. Returns the
-    buffer bytes, the kernel knobs and whether launches take the fast path."""
-    if plan is None:
-        raise ValueError(f"{algorithm.name}: span not supported")
-    data_bytes = algorithm.data_bytes(plan, ctx.world_size)
-    tuning = tuning_of(ctx.settings)
-    with torch.cuda.device(ctx.device):
-        scratch = {n: torch.randn(meta[n].shape, device=ctx.device).to(meta[n].dtype)
-                   for n in names}
-        buffer = symm_buffers.local_scratch(ctx.world_size, ctx.rank, data_bytes, ctx.device)
-        algorithm.launch(plan, scratch, buffer, tuning)
-        torch.cuda.synchronize(ctx.device)
-    return data_bytes, tuning, ctx.settings.fast_launch if ctx.settings is not None else True
 
 
 def algorithms() -> list[SymmAllReduce]:

@@ -19,7 +19,8 @@ from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.symm_chain import MAX_ROW
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
-from infini_dist.scheduler.backends.symm import SpanPlan, plan_span, warm_up
+from infini_dist.scheduler.backends.symm import SpanPlan, plan_span
+from infini_dist.scheduler.backends.symm_launch import warm_up
 from infini_dist.scheduler.choices import Algorithm, FusedSpan, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
