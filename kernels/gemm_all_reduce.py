@@ -121,8 +121,9 @@ class GemmTiles:
 
 def gemm_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmTiles:
     """Tile sizes from the shapes alone (the same on every rank; no per-rank autotuning): the
-    usual Hopper shapes for 16-bit inputs, fewer rows and more columns programs for decode's
-    few rows, and smaller K steps for fp32's larger tiles. Not tuned on GPUs yet."""
+    usual Hopper shapes for 16-bit prefill, one narrow row tile and more column tiles for
+    decode's few rows, and half-size tiles for fp32 (twice the shared memory per element). Not
+    tuned on GPUs yet."""
     if m <= 64:  # decode: one row tile; more column tiles keep more SMs reading the weight
         return GemmTiles(max(16, triton.next_power_of_2(m)), 64, 128 if dtype.itemsize < 4
                          else 32, 1, 4, 4)
@@ -156,8 +157,9 @@ def gemm_all_reduce_launch(x, w, buffer, out, *, matmul_bias=None, transpose_wei
     """The two launches, each (kernel, grid, args, kwargs). x: [M, K] (any strides), w: [N, K]
     with `transpose_weight` (F.linear's layout), else [K, N]; `matmul_bias` [N]; `out` and the
     other outputs are the [M, N] results. Options as in symm_chain.fused_arguments (the
-    prologue's sides are [M, N]; `bias` is the norm's, as there). Reads only shapes, strides, dtypes and devices of the tensors, so the engine binds
-    it once with stand-ins (nt_runtime.FastLaunch)."""
+    prologue's sides are [M, N]; `bias` is the norm's, as there). Reads only shapes, strides,
+    dtypes and devices of the tensors, so the engine binds it once with stand-ins
+    (nt_runtime.FastLaunch)."""
     m, k = x.shape
     n = w.shape[0] if transpose_weight else w.shape[1]
     numel = m * n
@@ -168,8 +170,9 @@ def gemm_all_reduce_launch(x, w, buffer, out, *, matmul_bias=None, transpose_wei
     slots, halves = slot_elements(numel), part_elements(buffer, x.element_size(), 2)
     gemm = (gemm_push_kernel,
             (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),),
-            (x, w, x if matmul_bias is None else matmul_bias, prologue, buffer.data_table, buffer.epoch, m, n,
-             k, x.stride(0), x.stride(1), stride_bk, stride_bn, slots, halves, buffer.rank),
+            (x, w, x if matmul_bias is None else matmul_bias, prologue, buffer.data_table,
+             buffer.epoch, m, n, k, x.stride(0), x.stride(1), stride_bk, stride_bn, slots,
+             halves, buffer.rank),
             dict(PROLOGUE=kwargs.pop("PROLOGUE"), HAS_BIAS=matmul_bias is not None,
                  EVEN_K=k % tiles.block_k == 0, PRECISION=matmul_precision(x.dtype),
                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,

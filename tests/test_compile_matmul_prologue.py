@@ -197,7 +197,7 @@ def test_tp_block_with_the_matmul_prologue_compiled_with_inductor(tmp_path):
     assert results[0]["decided"] == results[1]["decided"]
 
 
-# ---- torch_mm_reduce_scatter's runner on gloo, torch's op replaced by its own reference ------------
+# ---- torch_mm_reduce_scatter's runner on gloo, torch's op replaced by its own reference --------
 
 def torch_rs_rank(rank, world):
     import torch.distributed._symmetric_memory as symm_mem

@@ -11,7 +11,6 @@ own recursive generation, so those choices need nothing here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +37,6 @@ class GemmPlan:
     transpose_weight: bool
     k: int
     tail: SpanPlan          # prologue after the matmul, all_reduce, epilogue; source: the matmul
-
-    @property
-    def rows(self) -> int:
-        return math.prod(self.tail.shape[:-1])
 
     @property
     def tensor_inputs(self) -> tuple:
@@ -101,9 +96,9 @@ class GemmOneShot(Algorithm):
 
     def launch(self, plan: GemmPlan, env: dict, buffer, tuning: SymmTuning = DEFAULT_TUNING):
         """Both launches through Triton's normal path; inputs of any layout."""
-        tensors = {n: env[n] for n in plan.tensor_inputs}
-        tensors = {n: t if n in (plan.x, plan.w) else t.contiguous() for n, t in tensors.items()}
-        tensors[plan.x] = rows_of(tensors[plan.x], plan.k)
+        # the GEMM takes any strides; the epilogue's operands are read as contiguous
+        tensors = {n: env[n].contiguous() for n in plan.tensor_inputs[2:]}
+        tensors.update({plan.x: env[plan.x].reshape(-1, plan.k), plan.w: env[plan.w]})
         written = plan.tail.allocate(tensors[plan.x].device)
         for kernel, grid, args, kwargs in self.launch_arguments(plan, tensors, buffer, written,
                                                                 tuning):
@@ -116,11 +111,6 @@ class GemmOneShot(Algorithm):
         return prepared_at_first_call(lambda env: PreparedGemm(
             self, plan, symm_buffers.get_buffer(ctx.group, ctx.device, kernel_module.KIND,
                                                 data_bytes), env, tuning, fast))
-
-
-def rows_of(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x [..., K] as [rows, K]: a view where its layout allows one."""
-    return x.reshape(-1, k)
 
 
 def view_rows(x: torch.Tensor, k: int) -> torch.Tensor | None:
