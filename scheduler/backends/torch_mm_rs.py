@@ -61,7 +61,6 @@ class TorchMatmulReduceScatter(Algorithm):
         if op is None:
             raise RuntimeError("this torch has no symm_mem.fused_matmul_reduce_scatter")
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
         graph = span.graph
         head, anchor = graph.nodes[span.prologue[0]], graph.nodes[span.anchors[0]]
         x_name, w_name = head.inputs
@@ -69,10 +68,7 @@ class TorchMatmulReduceScatter(Algorithm):
         reduced = anchor.outputs[0]
         shape = meta[reduced].shape
         group = ctx.group or dist.group.WORLD
-        name = group.group_name
-        # Only names the group's store for torch's workspace (local; no rank talks to another).
-        if not symm_mem.is_symm_mem_enabled_for_group(name):
-            symm_mem.enable_symm_mem_for_group(name)
+        name = group.group_name  # (torch >= 2.11 needs no enable_symm_mem_for_group first)
 
         def run(env):
             x, w = env[x_name], env[w_name]
