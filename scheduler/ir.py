@@ -234,7 +234,7 @@ def prologue_chain(graph: SubGraph, anchor: int) -> tuple[int, ...]:
             break
         chain.append(index)
         if head:
-            break  # the chain starts with it: what feeds a GEMM is the GEMM's business
+            break  # the chain's head: a GEMM reads its input whole, not elementwise
         current = index
     return tuple(reversed(chain))
 
