@@ -99,6 +99,11 @@ FLAGS = {
     "custom_op_fusion_types": (FUSION_TYPES, _fusion_types),
     "enable_recursive_fusion": (True, check_bool),
     "max_fusion_depth": (5, check_nonneg_int),  # GPT-NeoX: 2 bias adds, 2 adds, LayerNorm
+    # The compile pass also takes the matmul (mm, addmm, linear) that produces an all_reduce's
+    # input into the site, as its prologue (GEMM + all_reduce overlap). Off until measured on
+    # GPUs: on, every row-parallel projection joins its site, which changes the sites of every
+    # compiled model and what tuning them costs.
+    "matmul_prologue": (False, check_bool),
     "fusion_speedup_threshold": (1.0, _threshold),
     "max_autotune_threads": (4, check_positive_int),
     "benchmark_warmup": (3, check_nonneg_int),
@@ -157,6 +162,7 @@ class Settings:
     custom_op_fusion_types: tuple
     enable_recursive_fusion: bool
     max_fusion_depth: int
+    matmul_prologue: bool
     fusion_speedup_threshold: float
     max_autotune_threads: int
     benchmark_warmup: int

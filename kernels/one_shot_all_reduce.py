@@ -21,10 +21,9 @@ import triton.language as tl
 
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
-from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
-from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half, finish,
-                                             item_range, program_items, push_items)
-from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
+from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, call_half, program_items,
+                                             push_items, reduce_slots)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -40,21 +39,10 @@ def one_shot_all_reduce_kernel(
     push_items(x_ptr, data_table, rank, half + rank * slot_stride, first_item, items, programs,
                numel, prologue, PROLOGUE, ITEM, BLOCK, WORLD_SIZE, False)
 
-    block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
-
-    # Reduce: the W slots in rank order, in fp32, then the epilogue.
-    dtype = x_ptr.dtype.element_ty
-    column = tl.arange(0, BLOCK)
-    local = peer_pointer(data_table, rank, dtype) + half
-    for item in range(first_item, items, programs):
-        index, mask = item_range(item, column, numel, ITEM)
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for source in tl.static_range(WORLD_SIZE):
-            total += tl.load(local + source * slot_stride + index, mask=mask,
-                             other=0.0).to(tl.float32)
-        finish(round_to(total, dtype), index, column, mask, epilogue, EPILOGUE, ITEM)
-
-    advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
+    # Barrier, then the W slots summed in rank order, in fp32, then the epilogue.
+    reduce_slots(x_ptr, epilogue, data_table, signal_table, epoch_ptr, calls, half, pid,
+                 programs, first_item, items, numel, slot_stride, rank, timeout_ns, EPILOGUE,
+                 ITEM, BLOCK, MAX_PROGRAMS, WORLD_SIZE, WS_P2, ON_GPU)
 
 
 def one_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,

@@ -6,7 +6,9 @@ composes, so that each kernel reads as signature, phases, launch.
 - Call parity and the epoch (`call_half`, `advance_epoch`): kernels that reuse their buffer in
   two halves pick the half from a per-program call counter kept on the device.
 - The push to peers (`push_to_peers`, and `push_items`, the one-shot kernels' first phase):
-  stores only, staggered so peers are not all hit at once.
+  stores only, staggered so peers are not all hit at once. The one-shot's second phase
+  (`reduce_slots`: barrier, rank-order sums, epilogue), which the GEMM + all-reduce kernel
+  (kernels/gemm_all_reduce.py) runs after its GEMM's pushes too.
 - The chains (`apply_prologue`, `finish`): the symm_chain ops, unpacked from the kernels' tuple
   arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE = (OP0, OP1, OP2) and
   EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE, WRITE_RSTD, WRITE_REDUCED, QUANT)
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.symm_chain import apply_chain, finish_item
-from infini_dist.kernels.symm_signal import DEFAULT_TIMEOUT_S, never_empty, peer_pointer, take
+from infini_dist.kernels.symm_chain import apply_chain, finish_item, round_to
+from infini_dist.kernels.symm_signal import (DEFAULT_TIMEOUT_S, block_barrier, never_empty,
+                                             peer_pointer, take)
 
 
 @triton.jit
@@ -107,6 +110,30 @@ def push_items(x_ptr, data_table, rank, offset, first, last, programs, numel, ch
         if LAMPORT:
             x = never_empty(x)
         push_to_peers(data_table, rank, offset + index, x, mask, WORLD_SIZE)
+
+
+@triton.jit
+def reduce_slots(x_ptr, epilogue, data_table, signal_table, epoch_ptr, calls, half, pid,
+                 programs, first, items, numel, slot_stride, rank, timeout_ns,
+                 OPS: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
+                 MAX_PROGRAMS: tl.constexpr, WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr,
+                 ON_GPU: tl.constexpr):
+    """The one-shot's second half, after every rank has pushed its slot `rank` of `half`: a
+    block barrier (program `pid` of every rank), then items first, first + programs, ... <
+    items summed over the W slots in rank order in fp32, rounded once to x's dtype, the
+    epilogue; last, this call is counted (the next one uses the other half)."""
+    block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
+    dtype = x_ptr.dtype.element_ty
+    column = tl.arange(0, BLOCK)
+    local = peer_pointer(data_table, rank, dtype) + half
+    for item in range(first, items, programs):
+        index, mask = item_range(item, column, numel, ITEM)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for source in tl.static_range(WORLD_SIZE):
+            total += tl.load(local + source * slot_stride + index, mask=mask,
+                             other=0.0).to(tl.float32)
+        finish(round_to(total, dtype), index, column, mask, epilogue, OPS, ITEM)
+    advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
 
 # ---- the two-shot phases, GROUP items at a time ----------------------------------------------

@@ -2,6 +2,7 @@
 
     infini-dist bench --model --out bench_model_out [--layers 8 --hidden 4096 --mlp 14336
         --heads 32 --kv-heads 8 --context 1024 --batches 1,4,16,64 --prefill 2048 --iters 50]
+    infini-dist bench --model --matmul-prologue ...   (the row-parallel matmuls in the sites)
     infini-dist bench --model --nproc 2 --cpu-smoke --layers 2 --hidden 32 --mlp 64 --heads 4 \\
         --kv-heads 2 --context 8 --batches 2 --prefill 4       (gloo CPU ranks, float32)
 
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.launch import shutdown
-from infini_dist.launch.model_report import (VARIANTS, plot, print_details,
+from infini_dist.launch.model_report import (PREFILL_TARGET, VARIANTS, plot, print_details,
                                              summarize, summary)
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_shapes, make_inputs
 
@@ -279,6 +280,10 @@ def parse_args(argv=None):
     # a lost residual, weight or rank's share shows as 0.3 and more.
     parser.add_argument("--tol", type=float, default=None,
                         help="max relative L2 error vs eager (default 5e-2 bf16, 1e-4 fp32)")
+    parser.add_argument("--matmul-prologue", action="store_true",
+                        help="the pass also takes each row-parallel matmul into its site "
+                             "(config.matmul_prologue, off by default; also "
+                             "INFINI_DIST_MATMUL_PROLOGUE=1): GEMM + all_reduce overlap")
     parser.add_argument("--out", default="bench_model_out")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="gloo CPU ranks, float32, eager timing: checks the script itself")
@@ -344,7 +349,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     device, dtype, control = setup(args)
+    import infini_dist
     import infini_dist.compile as idc
+    if args.matmul_prologue:
+        infini_dist.config.matmul_prologue = True
+    # Issue 14's target for the matmul prologue: prefill >= 1.3x over inductor (else: not slower)
+    args.prefill_target = PREFILL_TARGET if infini_dist.config.matmul_prologue else 1.0
     rank = dist.get_rank()
     model = Decoder(args.model, dist.group.WORLD, device, dtype)
     compiled = {}
@@ -368,6 +378,7 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         meta = run_meta(args, device, dtype, started)
         meta["model"] = asdict(args.model)
+        meta["matmul_prologue"] = infini_dist.config.matmul_prologue
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)
         plotted = plot(rows, shapes, os.path.join(args.out, "latency.png"))

@@ -43,9 +43,12 @@ class Tokens:
     names: tuple        # the inputs with those rows, each (..., last dim)
 
 
-def tokens_of(values: dict, settings: Settings) -> Tokens | None:
-    """The token rows of a site's inputs, or None where the site has no token dim."""
-    tensors = [(n, v) for n, v in values.items() if isinstance(v, torch.Tensor)]
+def tokens_of(values: dict, settings: Settings, fixed: frozenset = frozenset()) -> Tokens | None:
+    """The token rows of a site's inputs, or None where the site has no token dim. `fixed`:
+    inputs that never have token rows whatever their shape (a matmul's weight, [N, K], whose N
+    may equal the token count)."""
+    tensors = [(n, v) for n, v in values.items()
+               if isinstance(v, torch.Tensor) and n not in fixed]
     main = next((v for _, v in tensors if v.dim() >= 2), None)
     if main is None or main.numel() == 0:
         return None

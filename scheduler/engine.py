@@ -57,6 +57,9 @@ class SiteRunner:
         self.bucketed = not any(graph.nodes[i].op_type in ("reduce_scatter", "all_gather")
                                 for i in site.region)
         self.group_name = graph.nodes[site.anchors[0]].attr("group_name")
+        # A matmul prologue's weight and bias have no token rows, whatever their shape.
+        self.fixed = frozenset(name for i in site.region if graph.nodes[i].op_type == "matmul"
+                               for name in graph.nodes[i].inputs[1:])
         self._committed: dict[tuple, Choice] = {}  # exact local signature -> compiled choice
         # Local signatures whose calls are agreed (agree_every_call) -> (key, on CUDA); empty
         # otherwise, so the hot path pays one truth test when the flag is off.
@@ -98,7 +101,7 @@ class SiteRunner:
         return self.decided_buckets().get((id(group),) + buckets.signature(values, tokens))
 
     def _tokens(self, values: dict):
-        return buckets.tokens_of(values, self.settings) if self.bucketed else None
+        return buckets.tokens_of(values, self.settings, self.fixed) if self.bucketed else None
 
     def decided_buckets(self) -> dict:
         """Bucket signature -> the choice committed for it, per bucket decided in this process."""

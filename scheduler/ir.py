@@ -204,7 +204,10 @@ def is_anchor(graph: SubGraph, index: int) -> bool:
 
 def prologue_chain(graph: SubGraph, anchor: int) -> tuple[int, ...]:
     """Elementwise producers, walked back along each node's first input, whose every output is
-    read only by the next node of the chain (and is not a graph output). Producer first."""
+    read only by the next node of the chain (and is not a graph output). Producer first. Before
+    an all_reduce the chain may start with the matmul that makes the partial sums (the
+    row-parallel projection): a graph holds a matmul node only where the user or the compile
+    pass (config.matmul_prologue) put one there."""
     users = graph.consumers()
     producer = graph.producers()
     outputs = set(graph.output_names)
@@ -213,20 +216,25 @@ def prologue_chain(graph: SubGraph, anchor: int) -> tuple[int, ...]:
     # A coalesced all_reduce has several inputs; walking one of them would hide the others.
     if len(graph.nodes[anchor].inputs) != 1:
         return ()
-    position = op_registry.PROLOGUE_POSITION.get(graph.nodes[anchor].op_type, "prologue")
+    anchor_op = graph.nodes[anchor].op_type
+    position = op_registry.PROLOGUE_POSITION.get(anchor_op, "prologue")
     while True:
         source = graph.nodes[current].inputs[0]
         index = producer.get(source)
         if index is None:
             break
         node = graph.nodes[index]
-        if not op_registry.may_fuse(node.op_type, position):
+        head = (anchor_op in op_registry.MATMUL_ANCHORS
+                and op_registry.may_fuse(node.op_type, "matmul_prologue"))
+        if not (head or op_registry.may_fuse(node.op_type, position)):
             break
         private = all(users.get(name, []) == [current] and name not in outputs
                       for name in node.outputs)
         if not private:
             break
         chain.append(index)
+        if head:
+            break  # the chain's head: a GEMM reads its input whole, not elementwise
         current = index
     return tuple(reversed(chain))
 

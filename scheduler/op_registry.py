@@ -22,6 +22,9 @@ FUSION_RULES: dict[str, frozenset[str]] = {
     # gather_prologue: before an all_gather, on the rank's own rows, which it holds whole
     "elementwise": frozenset({"prologue", "epilogue", "gather_prologue"}),
     "rowwise": frozenset({"epilogue", "gather_prologue"}),  # norms need the whole reduced row
+    # matmul_prologue: the head of an all_reduce's prologue, the GEMM whose partial products
+    # the reduction sums (a row-parallel projection)
+    "matmul": frozenset({"matmul_prologue"}),
     "collective": frozenset(),
     "custom": frozenset(),
     "opaque": frozenset(),
@@ -123,6 +126,8 @@ def may_fuse(op_type: str, position: str) -> bool:
 # Where each anchor's prologue may come from (a reduction sums partials: elementwise only).
 PROLOGUE_POSITION = {"all_reduce": "prologue", "reduce_scatter": "prologue",
                      "all_gather": "gather_prologue"}
+# The anchors whose prologue chain may start with a matmul ("matmul_prologue").
+MATMUL_ANCHORS = frozenset({"all_reduce"})
 
 
 def run_node(op_type: str, tensors: list, attrs: dict, group=None, native: bool = False) -> tuple:
@@ -208,6 +213,38 @@ def fake_outputs(op_type: str, tensors: list, attrs: dict) -> tuple:
     return result if isinstance(result, tuple) else (result,)
 
 
+def _matmul_operands(x, w, bias, transpose_weight: bool):
+    """(x as [rows, K], w as [K, N], output shape x.shape[:-1] + (N,)), checked."""
+    if x.dim() < 1 or w.dim() != 2 or (bias is not None and bias.dim() != 1):
+        raise ValueError(f"matmul: x [..., K], a 2-D weight and a 1-D bias, got "
+                         f"{tuple(x.shape)}, {tuple(w.shape)}"
+                         + (f", {tuple(bias.shape)}" if bias is not None else ""))
+    w = w.t() if transpose_weight else w
+    if w.shape[0] != x.shape[-1] or (bias is not None and bias.shape[0] != w.shape[1]):
+        raise ValueError(f"matmul: shapes {tuple(x.shape)} and {tuple(w.shape)} (as [K, N]) do "
+                         f"not multiply" + (" with the bias" if bias is not None else ""))
+    return x.reshape(-1, x.shape[-1]), w, tuple(x.shape[:-1]) + (w.shape[1],)
+
+
+def matmul(x, w, bias=None, transpose_weight: bool = False):
+    """x @ w (+ bias): w is [K, N], or [N, K] with `transpose_weight` (F.linear's layout).
+    Reference: fp32 products and sums, the bias added in fp32, rounded once to x's dtype, as a
+    GEMM with an fp32 accumulator (cuBLAS, our Triton GEMM) computes it."""
+    rows, w, shape = _matmul_operands(x, w, bias, transpose_weight)
+    out = rows.float() @ w.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(shape)
+
+
+def matmul_native(x, w, bias=None, transpose_weight: bool = False):
+    """The matmul as the compiled graph spells it: mm or addmm on the rows (aten, in x's dtype)."""
+    rows, w, shape = _matmul_operands(x, w, bias, transpose_weight)
+    out = torch.mm(rows, w) if bias is None else torch.addmm(bias, rows, w)
+    return out.reshape(shape)
+
+
+_REGISTRY["matmul"] = OpSpec("matmul", matmul, "matmul", native=matmul_native)
 _REGISTRY["all_reduce"] = OpSpec("all_reduce", all_reduce, "collective", outputs_per_input=True)
 _REGISTRY["reduce_scatter"] = OpSpec("reduce_scatter", reduce_scatter, "collective",
                                      num_inputs=1, fake=_reduce_scatter_fake)

@@ -90,23 +90,31 @@ def check_callable(algorithm, ctx, shape=(7, 4096), dtype=torch.bfloat16):
 
 def check_graph_replay(algorithm, pattern, shape, dtype, ctx, replays=20):
     graph, run = compiled(algorithm, pattern, shape, dtype, ctx)
-    _, static = inputs_for(graph, shape, dtype, 0, ctx.world_size, ctx.rank, ctx.device)
+    check_replays(run, lambda call: inputs_for(graph, shape, dtype, call, ctx.world_size,
+                                               ctx.rank, ctx.device),
+                  lambda everyone: reference(graph, everyone, ctx.rank),
+                  f"graph {algorithm.name} {pattern} {shape} {dtype}", dtype, replays)
+
+
+def check_replays(run, inputs_of, expect, name, dtype, replays=20):
+    """`run` captured in a CUDA graph after an eager call on inputs_of(0) (everyone's inputs,
+    this rank's), then replayed with inputs_of(1..3) copied in: each output against
+    expect(everyone's inputs) and the same on every rank."""
+    _, static = inputs_of(0)
     run(static)  # eager first: the rendezvous happens here, never under capture
     torch.cuda.synchronize()
     cuda_graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(cuda_graph):
         out = run(static)
     for call in range(1, 4):
-        everyone, local = inputs_for(graph, shape, dtype, call, ctx.world_size, ctx.rank,
-                                     ctx.device)
-        for name, t in local.items():
-            static[name].copy_(t)
+        everyone, local = inputs_of(call)
+        for key, t in local.items():
+            static[key].copy_(t)
         for _ in range(replays if call == 1 else 1):  # many replays: halves and flags cycle
             cuda_graph.replay()
-        error = max_error(out, reference(graph, everyone, ctx.rank))
-        name = f"graph {algorithm.name} {pattern} {shape} {dtype} replay {call}"
-        check(error <= TOLERANCE[dtype], f"{name}: error {error:.3g}")
-        check(same_everywhere(digest(out)), f"{name}: ranks differ")
+        error = max_error(out, expect(everyone))
+        check(error <= TOLERANCE[dtype], f"{name} replay {call}: error {error:.3g}")
+        check(same_everywhere(digest(out)), f"{name} replay {call}: ranks differ")
 
 
 def check_mixed_grids(algorithm, ctx, dtype=torch.bfloat16):
@@ -123,21 +131,28 @@ def check_mixed_grids(algorithm, ctx, dtype=torch.bfloat16):
         check(error <= TOLERANCE[dtype], f"mixed {algorithm.name} {shape}: error {error:.3g}")
 
 
-def check_engine(ctx, dtype=torch.bfloat16):
+def tuned(graph, local, label):
+    """`graph` run by the engine on this rank's inputs `local` (tuned across the ranks at the
+    first call): its outputs and the tuning record, whose timings rank 0 prints."""
     from infini_dist.scheduler.engine import executor_for
+    executor = executor_for(graph, infini_dist.config.snapshot())
+    got = executor.run(local)
+    record = executor.site_runners()[0].last_tuning
+    if dist.get_rank() == 0:
+        times = ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(
+            record["times_s"].items(), key=lambda kv: kv[1]))
+        print(f"engine {label}: committed {record['choice']} ({times})", flush=True)
+    return got, record
+
+
+def check_engine(ctx, dtype=torch.bfloat16):
     from infini_dist.scheduler.ir import find_sites
     for pattern, shape in (("add_rms_norm", (16, 4096)), ("relu_scale", (1, 4096)),
                            (TRAIN, (2048, 4096))):
         graph = build(pattern)
         everyone, local = inputs_for(graph, shape, dtype, 3, ctx.world_size, ctx.rank,
                                      ctx.device)
-        executor = executor_for(graph, infini_dist.config.snapshot())
-        got = executor.run(local)
-        record = executor.site_runners()[0].last_tuning
-        if ctx.rank == 0:
-            times = ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(
-                record["times_s"].items(), key=lambda kv: kv[1]))
-            print(f"engine {pattern} {shape}: committed {record['choice']} ({times})", flush=True)
+        got, record = tuned(graph, local, f"{pattern} {shape}")
         check(any(c.startswith(("one_shot", "two_shot")) for c in record["candidates"]),
               f"engine {pattern}: no symm candidate survived: {record['candidates']}")
         # The whole site in one launch (a training forward's too: rsqrt and reduced value).
@@ -196,6 +211,11 @@ def main():
         check_graph_replay(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, rounds)
     if rank == 0:
         print("buffers:", symm_buffers.cached_buffers(), flush=True)
+    report_and_exit()
+
+
+def report_and_exit():
+    """'ALL OK' on rank 0 where every check passed on every rank; the exit status says it."""
     ok = same_everywhere(not failures) and not failures
     dist.barrier()
     if dist.get_rank() == 0:

@@ -142,7 +142,12 @@ def make_inputs(graph, shape, dtype, rank, call, device="cpu") -> dict:
 
 def meta_of(graph, shape, dtype, device_type="cuda") -> dict:
     """Every value's TensorMeta from one unfused pass on CPU, placed on `device_type`."""
-    inputs = make_inputs(graph, shape, dtype, 0, 0)
+    return meta_from(graph, make_inputs(graph, shape, dtype, 0, 0), device_type)
+
+
+def meta_from(graph, inputs: dict, device_type="cuda") -> dict:
+    """Every value's TensorMeta from one unfused pass over `inputs` (CPU), placed on
+    `device_type` (the all_reduce's value: one rank's partial, same shape and dtype)."""
     env = dict(inputs)
     site = find_sites(graph)[0]
     run_nodes(graph, site.prologue, env, CPU)

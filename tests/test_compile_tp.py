@@ -51,20 +51,26 @@ def _rel_diff(a, b) -> float:
 
 # ---- a tensor-parallel block through Inductor ---------------------------------------------------
 
-def tp_block_rank(rank, world):
-    from torch._dynamo.utils import counters
+def sharded_block(rank, world):
+    """(the full block, its tensor-parallel shard, an input): the same full weights and input
+    on every rank; this rank's own Inductor cache."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    import infini_dist.compile as idc
     import tp_block
-    from infini_dist.compile import runtime_op
-    from infini_dist.scheduler import engine
     _own_inductor_cache(rank)
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)  # the same full weights and input on every rank
+    torch.manual_seed(0)
     full = tp_block.Block()
-    block = tp_block.shard(copy.deepcopy(full), mesh)
-    x = torch.randn(2, 4, 16)
+    return full, tp_block.shard(copy.deepcopy(full), mesh), torch.randn(2, 4, 16)
+
+
+def tp_block_rank(rank, world):
+    from torch._dynamo.utils import counters
+
+    import infini_dist.compile as idc
+    from infini_dist.compile import runtime_op
+    from infini_dist.scheduler import engine
+    full, block, x = sharded_block(rank, world)
     # Fused choices win: a site decided native would be left to Inductor by the second compile
     # (compile/decided.py), a fused one leaves the FX graph cache key as it was.
     engine.timing_hook = _fixed_times

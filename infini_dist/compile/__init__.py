@@ -9,7 +9,8 @@ The pass (`passes.FusionPass`) runs after Inductor's own post-grad passes and re
 all_reduce (or registered user op, matched by its 'ns::op' name) and the ops around it with one
 `infini_dist::fused_site` call that the engine tunes at run time. Flags it obeys, read when a
 graph is compiled: `enable_custom_op_fusion` (off: graphs untouched), `custom_op_fusion_types`
-('prologue', 'epilogue', 'cross_subgraph'), `max_fusion_depth` (IR ops captured per chain).
+('prologue', 'epilogue', 'cross_subgraph'), `max_fusion_depth` (IR ops captured per chain),
+`matmul_prologue` (the mm / addmm / linear feeding an all_reduce joins its site; off by default).
 They are part of the pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo
 does not know them, so call torch._dynamo.reset() after changing them in a running process.
 `decisions()` lists what the compiled sites committed; `stats` and `last_sites` what the pass did.

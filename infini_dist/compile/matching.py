@@ -4,7 +4,9 @@ A site is an anchor (a functional all_reduce, reduce_scatter or all_gather with 
 call to a user op registered with infini_dist) plus what may fuse with it, in IR ops:
 
     prologue: producers that feed only the collective (walked back along input 0): elementwise
-              ops before a reduction, norms too before an all_gather (they run on whole rows)
+              ops before a reduction, norms too before an all_gather (they run on whole rows);
+              with config.matmul_prologue, before an all_reduce, the matmul that produces its
+              partial sums as the chain's head (compile/matmul_match.py)
     anchors:  the collective, or several adjacent independent all_reduces on one group
     epilogue: the ops after it that read the site's values, in graph order; their other inputs
               must not depend on the site. After a reduce_scatter, an all_gather of an epilogue
@@ -27,6 +29,7 @@ from infini_dist.config import Settings
 from infini_dist.scheduler import op_registry
 from infini_dist.compile import fx_patterns
 from infini_dist.compile.anchors import IROp, collective_anchor, is_collective, is_tensor, value_of
+from infini_dist.compile.matmul_match import matmul_producer
 
 @dataclass
 class FxSite:
@@ -103,8 +106,11 @@ def _best(found: list) -> tuple | None:
     return None
 
 
-def _prologue(anchor: IROp, region: frozenset, depth: int) -> list:
+def _prologue(anchor: IROp, region: frozenset, depth: int, matmul: bool) -> list:
+    """The anchor's prologue chain, producer first; `matmul`: it may start with the matmul
+    that produces the anchor's partial sums (config.matmul_prologue)."""
     position = op_registry.PROLOGUE_POSITION[anchor.op_type]
+    matmul = matmul and anchor.op_type in op_registry.MATMUL_ANCHORS
     chain: list = []
     consumer_nodes = anchor.nodes
     value = anchor.inputs[0]
@@ -124,6 +130,9 @@ def _prologue(anchor: IROp, region: frozenset, depth: int) -> list:
                 found.append(match)
         match = max(found, key=lambda m: len(m.nodes), default=None)
         if match is None:
+            op = matmul_producer(value, consumer_nodes) if matmul else None
+            if op is not None and not op.nodes & region:
+                chain.append(op)  # the chain's head: nothing before a GEMM joins the site
             break
         # Continue through the input this op alone reads, if there is one.
         private = [n for n in match.inputs
@@ -299,7 +308,7 @@ def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> FxSite:
     prologue_of = []
     with_prologue = anchor.op_type in op_registry.PROLOGUE_POSITION and "prologue" in types
     for a in anchors:
-        chain = _prologue(a, region, depth) if with_prologue else []
+        chain = _prologue(a, region, depth, settings.matmul_prologue) if with_prologue else []
         prologue_of.append(chain)
         region = region | frozenset(n for op in chain for n in op.nodes)
     site = FxSite(anchors, prologue_of)

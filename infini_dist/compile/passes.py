@@ -46,7 +46,7 @@ stats: collections.Counter = collections.Counter()
 last_sites: list = []  # the SubGraph text of each site the latest call replaced
 
 _UUID_FLAGS = ("enable_custom_op_fusion", "custom_op_fusion_types", "enable_recursive_fusion",
-               "max_fusion_depth")
+               "max_fusion_depth", "matmul_prologue")
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,7 +26,14 @@ def _symm_scatter():
     return [("reduce_scatter", SymmScatterGather())]
 
 
-for backend in (_nccl_epilogue, _symm, _symm_scatter):
+def _matmul():
+    """Spans starting with the matmul that feeds the all_reduce (config.matmul_prologue)."""
+    from infini_dist.scheduler.backends.symm_gemm import GemmOneShot
+    from infini_dist.scheduler.backends.torch_mm_rs import TorchMatmulReduceScatter
+    return [("all_reduce", GemmOneShot()), ("all_reduce", TorchMatmulReduceScatter())]
+
+
+for backend in (_nccl_epilogue, _symm, _symm_scatter, _matmul):
     try:
         algorithms = backend()
     except Exception as error:  # noqa: BLE001 - a missing backend must not break the others

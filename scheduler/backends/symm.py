@@ -319,17 +319,24 @@ class SymmAllReduce(Algorithm):
     def compile(self, span, meta, ctx):
         plan = plan_span(span, meta, ctx)
         data_bytes, tuning, fast = warm_up(self, plan, plan and plan.tensor_inputs, meta, ctx)
-        state = {}
+        return prepared_at_first_call(lambda env: PreparedLaunch(
+            self, plan, symm_buffers.get_buffer(ctx.group, ctx.device, self.kind, data_bytes,
+                                                self.kernel.lamport_width(plan.dtype)),
+            env, tuning, fast))
 
-        def run(env):
-            prepared = state.get("prepared")
-            if prepared is None:  # collective; the engine's first call is eager and in lockstep
-                buffer = symm_buffers.get_buffer(ctx.group, ctx.device, self.kind, data_bytes,
-                                                 self.kernel.lamport_width(plan.dtype))
-                prepared = state["prepared"] = PreparedLaunch(self, plan, buffer, env, tuning,
-                                                              fast)
-            return prepared(env)
-        return run
+
+def prepared_at_first_call(prepare):
+    """A runner that calls `prepare(env)` at its first call, then what it returned at every
+    call. The first call is collective (the buffer's allocation and rendezvous), which is why
+    it is not made in `compile`: the engine makes it eagerly and in lockstep on every rank."""
+    state = {}
+
+    def run(env):
+        prepared = state.get("prepared")
+        if prepared is None:
+            prepared = state["prepared"] = prepare(env)
+        return prepared(env)
+    return run
 
 
 def algorithms() -> list[SymmAllReduce]:
