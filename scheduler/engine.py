@@ -83,14 +83,9 @@ class SiteRunner:
                 if choice is None:
                     return self._decide(values, group, local)
         if self._call_keys:
-            self._agree_cached(local, group)
+            every_call.agree_cached(self._call_keys.get(local), group,
+                                    self.settings.tuning_timeout_s)
         return choice.run(values)
-
-    def _agree_cached(self, local: tuple, group) -> None:
-        key, on_cuda = self._call_keys.get(local, (None, False))
-        # Not while recorded into a CUDA graph: its replays have no host step to pair with.
-        if key is not None and not (on_cuda and torch.cuda.is_current_stream_capturing()):
-            every_call.agree_site(group, self.settings.tuning_timeout_s, key)
 
     def decided(self, values: dict, group=None) -> Choice | None:
         """The choice committed in this process for the token bucket of these inputs, if any:

@@ -103,3 +103,11 @@ def noting_cached_peers(agreed: bool, mode):
             f"collective and may stay blocked there until the process group's own timeout. "
             f"Set infini_dist.config.agree_every_call = True so every call is agreed before "
             f"any rank acts.") from error
+
+
+def agree_cached(entry, group, timeout_s: float) -> None:
+    """The exchange of a call that runs a committed choice; `entry` is the site's (key, on CUDA)
+    for this signature, or None where its calls are not agreed."""
+    # Not while recorded into a CUDA graph: its replays have no host step to pair with.
+    if entry is not None and not (entry[1] and torch.cuda.is_current_stream_capturing()):
+        agree_site(group, timeout_s, entry[0])

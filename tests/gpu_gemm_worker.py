@@ -52,6 +52,13 @@ def expected(graph, span, everyone, rank):
     return want
 
 
+def tolerance(dtype) -> float:
+    """The all-reduce kernels' tolerance, doubled: the GEMM's fp32 sums run in another order than
+    the reference's, so a matmul output on a rounding boundary lands one ulp away, and the norm
+    after it adds its own rounding (seen on an H100 at 2048 x 2048 -> 4096 bf16: 0.0162)."""
+    return TOLERANCE[dtype] * (1 if dtype == torch.float32 else 2)
+
+
 def check_eager(algorithm, pattern, x_shape, n, dtype, ctx):
     graph, span, run = compiled(algorithm, pattern, x_shape, n, dtype, ctx)
     for call in range(3):
@@ -59,7 +66,7 @@ def check_eager(algorithm, pattern, x_shape, n, dtype, ctx):
         got = run(local)
         error = max_error(got, expected(graph, span, everyone, ctx.rank))
         name = f"{algorithm.name} {pattern} {x_shape} x {n} {dtype} call {call}"
-        check(error <= TOLERANCE[dtype], f"{name}: error {error:.3g}")
+        check(error <= tolerance(dtype), f"{name}: error {error:.3g}")
         check(same_everywhere(digest(got)), f"{name}: ranks differ")
 
 
@@ -67,7 +74,8 @@ def check_graph_replay(algorithm, pattern, x_shape, n, dtype, ctx, replays=20):
     graph, span, run = compiled(algorithm, pattern, x_shape, n, dtype, ctx)
     check_replays(run, lambda call: inputs(graph, x_shape, n, dtype, call, ctx),
                   lambda everyone: expected(graph, span, everyone, ctx.rank),
-                  f"graph {algorithm.name} {pattern} {x_shape} x {n}", dtype, replays)
+                  f"graph {algorithm.name} {pattern} {x_shape} x {n}", dtype, replays,
+                  tolerance(dtype))
 
 
 def check_callable(ctx, x_shape=(7, 2048), n=4096, dtype=torch.bfloat16):

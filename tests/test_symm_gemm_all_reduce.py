@@ -41,7 +41,7 @@ def interpreted_rank(rank, world_size, storage, cases):
     launches (call 1, symm_gemm.PreparedGemm), or the plain callable (both calls)."""
     import infini_dist
     from infini_dist.kernels.symm_buffers import from_peer_tensors
-    from infini_dist.scheduler.backends.symm import tuning_of
+    from infini_dist.scheduler.backends.symm_launch import tuning_of
     from infini_dist.scheduler.backends.symm_gemm import PreparedGemm, plan_gemm
     from infini_dist.scheduler.choices import RunContext
     widen_interpreted_bf16_dot()

@@ -46,7 +46,8 @@ from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
 from infini_dist.scheduler import op_registry
-from infini_dist.scheduler.backends.symm_launch import PreparedLaunch, warm_up
+from infini_dist.scheduler.backends.symm_launch import (PreparedLaunch, prepared_at_first_call,
+                                                         warm_up)
 from infini_dist.scheduler.choices import Algorithm
 
 ONE_SHOT_MAX_BYTES = 8 << 20   # past this every rank moving the whole tensor W times loses
@@ -323,20 +324,6 @@ class SymmAllReduce(Algorithm):
             self, plan, symm_buffers.get_buffer(ctx.group, ctx.device, self.kind, data_bytes,
                                                 self.kernel.lamport_width(plan.dtype)),
             env, tuning, fast))
-
-
-def prepared_at_first_call(prepare):
-    """A runner that calls `prepare(env)` at its first call, then what it returned at every
-    call. The first call is collective (the buffer's allocation and rendezvous), which is why
-    it is not made in `compile`: the engine makes it eagerly and in lockstep on every rank."""
-    state = {}
-
-    def run(env):
-        prepared = state.get("prepared")
-        if prepared is None:
-            prepared = state["prepared"] = prepare(env)
-        return prepared(env)
-    return run
 
 
 def algorithms() -> list[SymmAllReduce]:

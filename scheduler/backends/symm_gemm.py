@@ -19,8 +19,8 @@ from infini_dist.kernels import gemm_all_reduce as kernel_module
 from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
-from infini_dist.scheduler.backends.symm import (SpanPlan, plan_span, prepared_at_first_call,
-                                                 warm_up)
+from infini_dist.scheduler.backends.symm import SpanPlan, plan_span
+from infini_dist.scheduler.backends.symm_launch import prepared_at_first_call, warm_up
 from infini_dist.scheduler.choices import Algorithm, FusedSpan
 
 # The output; every rank holds W copies of it. At 2 ranks and 2048 x 4096 bf16 (a 2048-token

@@ -75,3 +75,17 @@ def warm_up(algorithm, plan, names, meta, ctx) -> tuple[int, SymmTuning, bool]:
         algorithm.launch(plan, scratch, buffer, tuning)
         torch.cuda.synchronize(ctx.device)
     return data_bytes, tuning, ctx.settings.fast_launch if ctx.settings is not None else True
+
+
+def prepared_at_first_call(prepare):
+    """A runner that calls `prepare(env)` at its first call, then what it returned at every
+    call. The first call is collective (the buffer's allocation and rendezvous), which is why
+    it is not made in `compile`: the engine makes it eagerly and in lockstep on every rank."""
+    state = {}
+
+    def run(env):
+        prepared = state.get("prepared")
+        if prepared is None:
+            prepared = state["prepared"] = prepare(env)
+        return prepared(env)
+    return run
