@@ -191,6 +191,9 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--tol", type=float, default=None,
                         help="loss curves' max relative difference (default 2e-2 bf16, 1e-4 fp32)")
+    parser.add_argument("--one-rank-symm", action="store_true",
+                        help="offer the symmetric-memory kernels at one rank (one GPU: the "
+                             "pass's device-side cost without communication)")
     for flag, default in (("layers", 4), ("hidden", 4096), ("mlp", 14336), ("heads", 32),
                           ("kv-heads", 8)):
         parser.add_argument(f"--{flag}", type=int, default=default)
@@ -208,6 +211,9 @@ def parse_args(argv=None):
     args.model = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads,
                              context=max(args.tokens))
     args.cpu_smoke = args.device == "cpu"  # bench_model.setup: gloo, float32
+    if args.one_rank_symm:
+        from infini_dist.launch.bench_eager_host import allow_one_rank
+        allow_one_rank()
     return args
 
 

@@ -52,3 +52,20 @@ def test_train_bench_arguments():
                 ["--variants", "infini_dist,fast"]):
         with pytest.raises(SystemExit):
             bench_train.parse_args(bad)
+
+
+def test_one_rank_symm_offers_the_symm_kernels_at_one_rank(monkeypatch):
+    import torch
+
+    from infini_dist.scheduler.backends import symm
+    from infini_dist.scheduler.choices import RunContext
+    from symm_cases import build, full_span, meta_of
+    monkeypatch.setattr(symm, "plan_span", symm.plan_span)  # restored after the test
+    graph = build("add_rms_norm")
+    span, meta = full_span(graph), meta_of(graph, (4, 64), torch.bfloat16)
+    one = RunContext(None, 1, 0, torch.device("cuda"))
+    assert symm.plan_span(span, meta, one) is None  # the engine's rule: two ranks or more
+    bench_train.parse_args(TINY + ["--one-rank-symm"])
+    plan = symm.plan_span(span, meta, one)
+    assert plan is not None and plan == symm.plan_span(
+        span, meta, RunContext(None, 2, 0, torch.device("cuda")))
