@@ -123,7 +123,7 @@ def view_rows(x: torch.Tensor, k: int) -> torch.Tensor | None:
 
 class PreparedGemm:
     """Both launches of one plan on one buffer, bound once (nt_runtime.FastLaunch, as
-    symm.PreparedLaunch binds one): a call checks its inputs' shapes and strides against the
+    symm_launch.PreparedLaunch binds one): a call checks its inputs' shapes and strides against the
     first call's, allocates the outputs and launches; other layouts take `algorithm.launch`."""
 
     def __init__(self, algorithm: GemmOneShot, plan: GemmPlan, buffer, env: dict,

@@ -24,7 +24,6 @@ def tuning_of(settings) -> SymmTuning:
                       settings.symm_round_items)
 
 
-
 class PreparedLaunch:
     """`algorithm.launch(plan, env, buffer)` for one plan and buffer, with the per-call host
     work cut to: look up the inputs, check them, allocate the outputs, launch

@@ -20,7 +20,7 @@ from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.symm_chain import MAX_ROW
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
 from infini_dist.scheduler.backends.symm import SpanPlan, plan_span
-from infini_dist.scheduler.backends.symm_launch import warm_up
+from infini_dist.scheduler.backends.symm_launch import prepared_at_first_call, warm_up
 from infini_dist.scheduler.choices import Algorithm, FusedSpan, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
@@ -141,29 +141,28 @@ class SymmScatterGather(Algorithm):
         plan = plan_scatter(span, meta, ctx)
         names = plan.epilogue.tensor_inputs if plan is not None else ()
         data_bytes, tuning, fast = warm_up(self, plan, names, meta, ctx)
-        state = {}
 
-        def run(env):
-            tensors = [env[n] for n in names]
-            launch = state.get("launch")
-            if launch is None:  # collective; the engine's first call is eager and in lockstep
-                buffer = state["buffer"] = symm_buffers.get_buffer(
-                    ctx.group, ctx.device, kernel_module.KIND, data_bytes, 0)
-                state["shapes"] = [t.shape for t in tensors]
-                stand = {n: env[n].view(env[n].shape) for n in names}
-                written = {k: object() for k in plan.epilogue.writes if k != "out"
-                           or plan.gathered is None}
-                gathered = object() if plan.gathered is not None else None
-                kernel, grid, args, kwargs = self.arguments(plan, stand, buffer, written,
-                                                            gathered, tuning)
-                per_call = [stand[n] for n in names] + list(written.values()) + (
-                    [gathered] if gathered is not None else [])
-                launch = state["launch"] = FastLaunch(kernel, grid, args, kwargs, per_call,
-                                                      enabled=fast)
-            if any(t.shape != s or not t.is_contiguous()
-                   for t, s in zip(tensors, state["shapes"])):
-                return self.launch(plan, env, state["buffer"], tuning)
-            written, gathered = self._outputs(plan, tensors[0].device)
-            launch(*tensors, *written.values(), *([gathered] if gathered is not None else []))
-            return self._results(plan, written, gathered, state["buffer"].rank)
-        return run
+        def prepare(env):  # collective: the buffer's allocation and rendezvous
+            buffer = symm_buffers.get_buffer(ctx.group, ctx.device, kernel_module.KIND,
+                                             data_bytes, 0)
+            shapes = [env[n].shape for n in names]
+            stand = {n: env[n].view(env[n].shape) for n in names}
+            written = {k: object() for k in plan.epilogue.writes if k != "out"
+                       or plan.gathered is None}
+            gathered = object() if plan.gathered is not None else None
+            kernel, grid, args, kwargs = self.arguments(plan, stand, buffer, written, gathered,
+                                                        tuning)
+            per_call = [stand[n] for n in names] + list(written.values()) + (
+                [gathered] if gathered is not None else [])
+            launch = FastLaunch(kernel, grid, args, kwargs, per_call, enabled=fast)
+
+            def run(env):
+                tensors = [env[n] for n in names]
+                if any(t.shape != s or not t.is_contiguous() for t, s in zip(tensors, shapes)):
+                    return self.launch(plan, env, buffer, tuning)
+                written, gathered = self._outputs(plan, tensors[0].device)
+                launch(*tensors, *written.values(),
+                       *([gathered] if gathered is not None else []))
+                return self._results(plan, written, gathered, buffer.rank)
+            return run
+        return prepared_at_first_call(prepare)
