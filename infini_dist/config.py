@@ -126,6 +126,9 @@ FLAGS = {
     "symm_group_items": (0, check_nonneg_int),
     "symm_round_items": (0, check_nonneg_int),
     "fast_launch": (True, check_bool),
+    # express_ops: an eager op's call whose committed symmetric-memory launch was recorded is
+    # matched and launched from C++ (kernels/express.py); False keeps them all in Python.
+    "express_ops": (True, check_bool),
 }
 
 
@@ -180,6 +183,7 @@ class Settings:
     symm_group_items: int
     symm_round_items: int
     fast_launch: bool
+    express_ops: bool
 
     def __hash__(self) -> int:
         # Settings key every executor lookup on an eager op's hot path, and hashing all the
@@ -203,10 +207,16 @@ class Settings:
 
 
 class _ConfigModule(types.ModuleType):
+    def _changed(self) -> None:
+        super().__setattr__("_snapshot", None)
+        # The eager ops' C++ records were made under the old flags.
+        from infini_dist.kernels import express
+        express.clear()
+
     def __setattr__(self, name, value):
         if name in FLAGS:
             value = FLAGS[name][1](name, value)
-            super().__setattr__("_snapshot", None)
+            self._changed()
         elif not name.startswith("_") and name not in self.__dict__:
             raise AttributeError(f"infini_dist.config has no flag {name!r}; flags: "
                                  f"{', '.join(FLAGS)}")
@@ -225,7 +235,7 @@ class _ConfigModule(types.ModuleType):
         finally:
             for key, value in saved.items():
                 super().__setattr__(key, value)
-            super().__setattr__("_snapshot", None)
+            self._changed()
 
     def snapshot(self) -> Settings:
         # Cached until a flag changes: every eager fused op asks for it on every call.
@@ -241,7 +251,7 @@ class _ConfigModule(types.ModuleType):
             env = os.environ.get(f"INFINI_DIST_{key.upper()}")
             value = parse_env(key, env) if env is not None else validate(key, default)
             super().__setattr__(key, value)
-        super().__setattr__("_snapshot", None)
+        self._changed()
 
 
 sys.modules[__name__].__class__ = _ConfigModule

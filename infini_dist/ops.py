@@ -12,6 +12,7 @@ import functools
 import torch
 
 import infini_dist
+from infini_dist import ops_express
 from infini_dist.scheduler.engine import GraphExecutor, executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
@@ -44,12 +45,14 @@ def swiglu_graph() -> SubGraph:
 _USED: dict[str, GraphExecutor] = {}  # op name -> the executor of its latest call
 
 
-def _run(name: str, graph: SubGraph, inputs: dict, group) -> dict:
+def _run(name: str, graph: SubGraph, inputs: dict, group, scalar: float = 0.0) -> dict:
     for value_name, value in inputs.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: {value_name} must be a tensor, got {type(value).__name__}")
     executor = _USED[name] = executor_for(graph, infini_dist.config.snapshot())
-    return executor.run(inputs, group)
+    out = executor.run(inputs, group)
+    ops_express.offer(name, executor, inputs, graph.output_names, group, scalar)
+    return out
 
 
 def _wants_grad(*tensors) -> bool:
@@ -64,16 +67,27 @@ def _autograd():
 
 def all_reduce_relu_scale(x: torch.Tensor, scale: float, group=None) -> torch.Tensor:
     """relu(all_reduce(x)) * scale."""
+    call = ops_express.call  # C++: a committed launch for exactly these inputs, else None
+    if call is not None and type(scale) is float:
+        out = call(0, group, scale, [x])
+        if out is not None:
+            return out[0]
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"all_reduce_relu_scale: scale must be a number, got {scale!r}")
     if _wants_grad(x):
         return _autograd().all_reduce_relu_scale(x, float(scale), group)
-    return _run("all_reduce_relu_scale", relu_scale_graph(float(scale)), {"x": x}, group)["output"]
+    return _run("all_reduce_relu_scale", relu_scale_graph(float(scale)), {"x": x}, group,
+                float(scale))["output"]
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float = 1e-6, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """h = all_reduce(x) + residual; returns (rms_norm(h) * weight, h)."""
+    call = ops_express.call
+    if call is not None and type(eps) is float:
+        out = call(1, group, eps, [x, residual, weight])
+        if out is not None:
+            return out
     if x.shape != residual.shape:
         raise ValueError(f"all_reduce_add_rms_norm: x {tuple(x.shape)} and residual "
                          f"{tuple(residual.shape)} differ in shape")
@@ -83,12 +97,17 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if _wants_grad(x, residual, weight):
         return _autograd().all_reduce_add_rms_norm(x, residual, weight, float(eps), group)
     out = _run("all_reduce_add_rms_norm", add_rms_norm_graph(float(eps)),
-               {"x": x, "residual": residual, "weight": weight}, group)
+               {"x": x, "residual": residual, "weight": weight}, group, float(eps))
     return out["output"], out["residual_out"]
 
 
 def all_reduce_swiglu(gate: torch.Tensor, up: torch.Tensor, group=None) -> torch.Tensor:
     """silu(all_reduce(gate)) * all_reduce(up)."""
+    call = ops_express.call
+    if call is not None:
+        out = call(2, group, 0.0, [gate, up])
+        if out is not None:
+            return out[0]
     if gate.shape != up.shape:
         raise ValueError(f"all_reduce_swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} "
                          f"differ in shape")

@@ -197,6 +197,7 @@ class FastLaunch:
         self.count = len(per_call)
         self._try_fast = enabled  # False: the normal path always (the engine's fast_launch flag)
         self._launcher = None
+        self.compiled = None  # the CompiledKernel of the short path (kernels/express.py)
         self._device = None
         self._dtypes = ()
         self._get_device = self._get_stream = None
@@ -257,6 +258,7 @@ class FastLaunch:
         self._device = self._get_device()
         self._dtypes = tuple(t.dtype for t in tensors)
         self._launcher = compiled[self.grid]
+        self.compiled = compiled
 
 
 def fast_launch(handle, args, per_call) -> FastLaunch | None:

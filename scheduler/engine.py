@@ -72,10 +72,7 @@ class SiteRunner:
     def run(self, env: dict, group) -> dict:
         values = {name: env[name] for name in self.inputs}
         group = resolve_group(self.group_name, group)
-        # torch.Size hashes and compares as the tuple it is: no copy per call.
-        local = (id(group),) + tuple((v.shape, v.dtype, v.is_contiguous(), v.device)
-                                     if isinstance(v, torch.Tensor) else (type(v), v)
-                                     for v in values.values())
+        local = self._local(values, group)
         choice = self._committed.get(local)
         if choice is None:
             with self._lock:
@@ -86,6 +83,20 @@ class SiteRunner:
             every_call.agree_cached(self._call_keys.get(local), group,
                                     self.settings.tuning_timeout_s)
         return choice.run(values)
+
+    @staticmethod
+    def _local(values: dict, group) -> tuple:
+        # torch.Size hashes and compares as the tuple it is: no copy per call.
+        return (id(group),) + tuple((v.shape, v.dtype, v.is_contiguous(), v.device)
+                                    if isinstance(v, torch.Tensor) else (type(v), v)
+                                    for v in values.values())
+
+    def committed(self, values: dict, group=None) -> Choice | None:
+        """What a call with these inputs runs without tuning or agreeing first, if anything."""
+        if self._call_keys:
+            return None
+        values = {name: values[name] for name in self.inputs}
+        return self._committed.get(self._local(values, resolve_group(self.group_name, group)))
 
     def decided(self, values: dict, group=None) -> Choice | None:
         """The choice committed in this process for the token bucket of these inputs, if any:

@@ -98,6 +98,8 @@ def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: i
             raise ValueError(f"op {name!r} is a built-in op; pass replace=True to override it")
     _REGISTRY[name] = spec
     _generation += 1
+    from infini_dist.kernels import express
+    express.clear()  # a record may launch the replaced definition
     return spec
 
 

@@ -46,7 +46,7 @@ from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
 from infini_dist.scheduler import op_registry
-from infini_dist.scheduler.backends.symm_launch import (PreparedLaunch, prepared_at_first_call,
+from infini_dist.scheduler.backends.symm_launch import (PreparedAtFirstCall, PreparedLaunch,
                                                          warm_up)
 from infini_dist.scheduler.choices import Algorithm
 
@@ -320,7 +320,7 @@ class SymmAllReduce(Algorithm):
     def compile(self, span, meta, ctx):
         plan = plan_span(span, meta, ctx)
         data_bytes, tuning, fast = warm_up(self, plan, plan and plan.tensor_inputs, meta, ctx)
-        return prepared_at_first_call(lambda env: PreparedLaunch(
+        return PreparedAtFirstCall(lambda env: PreparedLaunch(
             self, plan, symm_buffers.get_buffer(ctx.group, ctx.device, self.kind, data_bytes,
                                                 self.kernel.lamport_width(plan.dtype)),
             env, tuning, fast))

@@ -20,7 +20,7 @@ from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.scheduler.backends.symm import SpanPlan, plan_span
-from infini_dist.scheduler.backends.symm_launch import prepared_at_first_call, warm_up
+from infini_dist.scheduler.backends.symm_launch import PreparedAtFirstCall, warm_up
 from infini_dist.scheduler.choices import Algorithm, FusedSpan
 
 # The output; every rank holds W copies of it. At 2 ranks and 2048 x 4096 bf16 (a 2048-token
@@ -108,7 +108,7 @@ class GemmOneShot(Algorithm):
     def compile(self, span, meta, ctx):
         plan = plan_gemm(span, meta, ctx)
         data_bytes, tuning, fast = warm_up(self, plan, plan and plan.tensor_inputs, meta, ctx)
-        return prepared_at_first_call(lambda env: PreparedGemm(
+        return PreparedAtFirstCall(lambda env: PreparedGemm(
             self, plan, symm_buffers.get_buffer(ctx.group, ctx.device, kernel_module.KIND,
                                                 data_bytes), env, tuning, fast))
 

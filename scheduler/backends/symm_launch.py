@@ -76,15 +76,18 @@ def warm_up(algorithm, plan, names, meta, ctx) -> tuple[int, SymmTuning, bool]:
     return data_bytes, tuning, ctx.settings.fast_launch if ctx.settings is not None else True
 
 
-def prepared_at_first_call(prepare):
-    """A runner that calls `prepare(env)` at its first call, then what it returned at every
-    call. The first call is collective (the buffer's allocation and rendezvous), which is why
-    it is not made in `compile`: the engine makes it eagerly and in lockstep on every rank."""
-    state = {}
+class PreparedAtFirstCall:
+    """A runner that calls `prepare(env)` at its first call, then what it returned (kept as
+    `prepared`) at every call. The first call is collective (the buffer's allocation and
+    rendezvous), which is why it is not made in `compile`: the engine makes it eagerly and in
+    lockstep on every rank."""
 
-    def run(env):
-        prepared = state.get("prepared")
+    def __init__(self, prepare):
+        self._prepare = prepare
+        self.prepared = None
+
+    def __call__(self, env):
+        prepared = self.prepared
         if prepared is None:
-            prepared = state["prepared"] = prepare(env)
+            prepared = self.prepared = self._prepare(env)
         return prepared(env)
-    return run

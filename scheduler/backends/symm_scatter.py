@@ -20,7 +20,7 @@ from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.symm_chain import MAX_ROW
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
 from infini_dist.scheduler.backends.symm import SpanPlan, plan_span
-from infini_dist.scheduler.backends.symm_launch import prepared_at_first_call, warm_up
+from infini_dist.scheduler.backends.symm_launch import PreparedAtFirstCall, warm_up
 from infini_dist.scheduler.choices import Algorithm, FusedSpan, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph
 
@@ -165,4 +165,4 @@ class SymmScatterGather(Algorithm):
                        *([gathered] if gathered is not None else []))
                 return self._results(plan, written, gathered, buffer.rank)
             return run
-        return prepared_at_first_call(prepare)
+        return PreparedAtFirstCall(prepare)

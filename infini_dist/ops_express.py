@@ -1,0 +1,75 @@
+"""Which eager op calls the C++ path (kernels/express.py) may make, and their records.
+
+After a call took the Python path, `offer` looks at what it ran: where the op's one site ran a
+committed symmetric-memory choice through its prepared short-path launch, with these exact
+inputs, the launch is recorded, and the next call with the same op, group, scalar and input
+layouts is matched and launched in C++ (`call`). Everything else (tuning, native or NCCL
+choices, every-call agreement, autograd, other layouts) keeps the Python path, and a call the
+C++ table does not match takes it too: the table only ever skips host work whose outcome is
+already fixed.
+"""
+
+from __future__ import annotations
+
+import infini_dist
+from infini_dist.kernels import express
+from infini_dist.scheduler.backends.symm_launch import PreparedLaunch
+
+OPS = {"all_reduce_relu_scale": 0, "all_reduce_add_rms_norm": 1, "all_reduce_swiglu": 2}
+_declined: set = set()  # (op, group, scalar, layouts) whose committed run cannot be recorded
+call = None  # the C++ table's call(op, group, scalar, tensors) once built, else None
+
+
+def _layout_key(op: int, group, scalar: float, tensors) -> tuple:
+    return (op, id(group), scalar) + tuple((t.shape, t.stride(), t.dtype, t.device)
+                                           for t in tensors)
+
+
+def offer(name: str, executor, inputs: dict, outputs: tuple, group, scalar: float) -> None:
+    """Record the launch the call just made, where it can be made from C++ (see module)."""
+    global call
+    if not infini_dist.config.express_ops or not any(t.is_cuda for t in inputs.values()):
+        return
+    built = express.module()
+    if built is None:
+        express.start()  # in the background; calls take the Python path until it is ready
+        return
+    call = built.call
+    op = OPS[name]
+    key = _layout_key(op, group, scalar, inputs.values())
+    if key in _declined:
+        return
+    if not _record(op, executor, inputs, outputs, group, scalar):
+        _declined.add(key)
+
+
+def _record(op: int, executor, inputs: dict, outputs: tuple, group, scalar: float) -> bool:
+    runner = executor.site_runners()
+    if len(runner) != 1 or set(runner[0].outputs) != set(outputs):
+        return False
+    choice = runner[0].committed(inputs, group)
+    prepared = getattr(choice, "_runner", None) if choice is not None and choice._direct \
+        else None
+    prepared = getattr(prepared, "prepared", None)
+    if not isinstance(prepared, PreparedLaunch) or not prepared.enabled:
+        return False
+    tensors = [inputs[name] for name in prepared.names]
+    if (tensors[0].dtype is not prepared.plan.dtype
+            or any(t.shape != s or not t.is_contiguous()
+                   for t, s in zip(tensors, prepared.shapes))):
+        return False  # this call copied its inputs (PreparedLaunch's normal path)
+    record = express.launch_record(prepared.launch)
+    if record is None:
+        return False
+    written = prepared.plan.allocate(tensors[0].device, tensors[0])
+    results = prepared.plan.results(written)
+    made = list(written.values())
+    returned = [next(i for i, t in enumerate(made) if t is results[name]) for name in outputs]
+    order = list(inputs)  # the op's tensors, in the order `call` passes them
+    places = [order.index(n) for n in prepared.names] + [len(order) + i
+                                                          for i in range(len(made))]
+    record["slots"] = [(cell, places[index]) for cell, index in record["slots"]]
+    used = {place for _, place in record["slots"]}
+    aligned = [i in used for i in range(len(order))]
+    return express.add(op, group, scalar, tensors[0].device.index, list(inputs.values()), made,
+                       returned, record, aligned, keep=prepared)

@@ -1,0 +1,183 @@
+"""The eager ops' per-call path in C++ (express.cpp): a committed launch matched and made
+without Python.
+
+An eager op's Python path (checks, the executor lookup, the site's decision lookup, the
+prepared launch, two `empty_like`s, Triton's launcher with ~45 arguments) costs more host time
+than a bare NCCL all_reduce. Once a call has gone that way and ended in a FastLaunch whose
+per-call tensors are the op's inputs and fresh outputs, its launch is recorded here: the
+kernel's function handle, grid and parameters as the driver takes them, which parameters are
+the op's tensors, and the exact layout those tensors had. Later calls with the same op, group,
+scalar and layouts are matched in C++, which allocates the outputs and calls cuLaunchKernel on
+the current stream: what Triton's launcher does for the same arguments, without the Python.
+
+The parameters are packed from the compiled kernel's signature (constexprs dropped, tuples
+flattened, pointers as addresses), and a record is made only when the packing agrees with the
+parameter sizes the driver reports (cuFuncGetParamInfo): the 0-2 trailing parameters Triton
+adds for its scratch memory must be the only difference, and the kernel must need no scratch.
+Anything else (the interpreter, hooks, scratch, clusters, another Triton) makes no record, and
+the Python path stays. The module is compiled once per machine (torch.utils.cpp_extension, in
+a background thread, so no rank stalls a collective on the compiler); until it is ready, or
+where it cannot be built, there simply are no records.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import struct
+import threading
+
+import torch
+
+log = logging.getLogger("infini_dist")
+
+MAX_RECORDS = 512  # a serving job's token counts: one record per exact shape
+_INT_SIZES = {"i1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8,
+              "u64": 8}
+_state = {"module": None, "thread": None, "error": None}
+_lock = threading.Lock()
+
+
+def _build(cuda: bool):
+    from torch.utils import cpp_extension
+    source = os.path.join(os.path.dirname(__file__), "express.cpp")
+    return cpp_extension.load(
+        name="infini_dist_express_" + ("cuda" if cuda else "cpu"), sources=[source],
+        extra_cflags=["-O2"] + (["-DEXPRESS_WITH_CUDA"] if cuda else []), with_cuda=cuda,
+        verbose=False)
+
+
+def start(cuda: bool | None = None, wait: bool = False):
+    """Build (or load the cached build of) the C++ module in a background thread, once;
+    `wait`: block until it is done. Returns the module, or None while it is not ready."""
+    if cuda is None:
+        cuda = torch.version.cuda is not None and torch.cuda.is_available()
+    with _lock:
+        if _state["thread"] is None:
+            def build():
+                try:
+                    _state["module"] = _build(cuda)
+                except Exception as error:  # no compiler, no headers: the Python path stays
+                    _state["error"] = error
+                    log.info("infini_dist: the eager ops' C++ path is off: %s", error)
+            _state["thread"] = threading.Thread(target=build, name="infini_dist-express",
+                                                daemon=True)
+            _state["thread"].start()
+    if wait:
+        _state["thread"].join()
+    return _state["module"]
+
+
+def module():
+    """The built module, or None (not built yet, or not buildable here)."""
+    return _state["module"]
+
+
+def clear() -> None:
+    """Forget every record: the config or an op's definition changed."""
+    built = _state["module"]
+    if built is not None:
+        built.clear()
+
+
+class _Slot:  # a per-call tensor's place among a FastLaunch's arguments
+    def __init__(self, index: int):
+        self.index = index
+
+
+def pack(compiled, launch) -> tuple[list, list] | None:
+    """(cells, slots) of `launch` (an nt_runtime.FastLaunch) for its compiled kernel: one
+    8-byte cell per kernel parameter (little-endian: a smaller value in its low bytes), and
+    (cell, per-call tensor index) for every parameter that is a per-call tensor. None where
+    the signature has a type this packing does not know."""
+    signature = compiled.src.signature
+    names = list(inspect.signature(launch.kernel.fn).parameters)
+    values = launch._fill([_Slot(i) for i in range(launch.count)])
+    cells, slots, sizes = [], [], []
+
+    def add(value, kind) -> bool:
+        if kind == "constexpr":
+            return True
+        if isinstance(kind, tuple):
+            return (isinstance(value, tuple) and len(value) == len(kind)
+                    and all(add(v, k) for v, k in zip(value, kind)))
+        if kind.startswith("*"):
+            if isinstance(value, _Slot):
+                slots.append((len(cells), value.index))
+                cells.append(0)
+            elif isinstance(value, torch.Tensor):
+                cells.append(value.data_ptr())
+            else:
+                return False
+        elif kind in _INT_SIZES:
+            cells.append(int(value) & ((1 << 64) - 1))
+        elif kind in ("fp32", "f32"):
+            cells.append(struct.unpack("<I", struct.pack("<f", float(value)))[0])
+        elif kind == "fp64":
+            cells.append(struct.unpack("<Q", struct.pack("<d", float(value)))[0])
+        else:
+            return False
+        sizes.append(_INT_SIZES.get(kind, 8 if kind.startswith("*") or kind == "fp64" else 4))
+        return True
+
+    for name, value in zip(names, values):
+        if name not in signature or not add(value, signature[name]):
+            return None
+    return cells, slots, sizes
+
+
+def _hooked() -> bool:
+    """Whether Triton's launch hooks are set (a chain of them counts when it holds any)."""
+    try:
+        import triton
+        hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    except AttributeError:
+        return False
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def launch_record(launch) -> dict | None:
+    """What express.cpp needs to make `launch` (a FastLaunch on its short path): function,
+    grid, threads, shared memory and the packed parameters; None where it cannot be made
+    without Triton's launcher."""
+    built, compiled = _state["module"], getattr(launch, "compiled", None)
+    if built is None or compiled is None or not launch.fast:
+        return None
+    metadata = compiled.metadata
+    if _hooked():
+        return None  # a profiler's hooks run in Triton's launcher only
+    if (getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0)
+            or getattr(metadata, "num_ctas", 1) != 1
+            or getattr(metadata, "launch_cooperative_grid", False)
+            or getattr(metadata, "launch_pdl", False)
+            or tuple(getattr(metadata, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) not in
+            ((1, 1, 1), (0, 0, 0))):
+        return None
+    packed = pack(compiled, launch)
+    if packed is None:
+        return None
+    cells, slots, sizes = packed
+    driver = list(built.param_sizes(compiled.function))
+    extra = len(driver) - len(sizes)
+    if driver[:len(sizes)] != sizes or not 0 <= extra <= 2 or driver[len(sizes):] != [8] * extra:
+        return None  # not the ABI this packing assumes: Triton's own launcher stays
+    return dict(function=compiled.function, grid=list(launch.grid),
+                threads=32 * metadata.num_warps, shared=metadata.shared,
+                cells=cells + [0] * extra, slots=slots)
+
+
+def add(op: int, group, scalar: float, device: int, inputs: list, outputs: list,
+        returned: list, record: dict, aligned: list, keep=None) -> bool:
+    """Record one committed launch: `keep`, what owns its buffers and kernel (held while
+    recorded), `inputs`, the op's tensors (their layouts are matched),
+    `outputs`, tensors like those each call allocates, `returned`, indices into `outputs` in
+    the op's order, `record` from launch_record with its slots counted over inputs, then
+    outputs. False where the table is full."""
+    built = _state["module"]
+    if built is None or built.size() >= MAX_RECORDS:
+        return False
+    built.add(op, group, keep, float(scalar), device, inputs, aligned, outputs, returned,
+              record["function"], record["grid"], record["threads"], record["shared"],
+              record["cells"], record["slots"])
+    return True
