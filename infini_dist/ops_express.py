@@ -1,4 +1,5 @@
-"""Which eager op calls the C++ path (kernels/express.py) may make, and their records.
+"""Which eager op calls, and which calls of the compile pass's sites (compile/runtime_op.py),
+the C++ path (kernels/express.py) may make, and their records.
 
 After a call took the Python path, `offer` looks at what it ran: where the op's one site ran a
 committed symmetric-memory choice through its prepared short-path launch, with these exact
@@ -14,19 +15,24 @@ from __future__ import annotations
 import infini_dist
 from infini_dist.kernels import express
 from infini_dist.scheduler.backends.symm_launch import PreparedLaunch
+from infini_dist.scheduler.choices import resolve_group
 
 OPS = {"all_reduce_relu_scale": 0, "all_reduce_add_rms_norm": 1, "all_reduce_swiglu": 2}
-_declined: set = set()  # (op, group, scalar, layouts) whose committed run cannot be recorded
+_SITES: dict[str, tuple[int, str | None]] = {}  # compiled site text -> (op id, group name)
+_declined: set = set()  # (executor, op, group, scalar, layouts) that cannot be recorded
 call = None  # the C++ table's call(op, group, scalar, tensors) once built, else None
 
 
-def _layout_key(op: int, group, scalar: float, tensors) -> tuple:
-    return (op, id(group), scalar) + tuple((t.shape, t.stride(), t.dtype, t.device)
-                                           for t in tensors)
+def site(text: str) -> tuple[int, str | None] | None:
+    """(op id, group name) of a compiled site (compile/runtime_op.py) offered before."""
+    return _SITES.get(text)
 
 
-def offer(name: str, executor, inputs: dict, outputs: tuple, group, scalar: float) -> None:
-    """Record the launch the call just made, where it can be made from C++ (see module)."""
+def offer(op: int | str, executor, inputs: dict, outputs: tuple, group, scalar: float,
+          site_text: str | None = None) -> None:
+    """Record the launch the call just made, where it can be made from C++ (see module).
+    `op`: an eager op's name, or None with `site_text` (a compiled site's graph, whose group
+    the graph names: records match the group it resolves to at each call)."""
     global call
     if not infini_dist.config.express_ops or not any(t.is_cuda for t in inputs.values()):
         return
@@ -35,15 +41,24 @@ def offer(name: str, executor, inputs: dict, outputs: tuple, group, scalar: floa
         express.start()  # in the background; calls take the Python path until it is ready
         return
     call = built.call
-    op = OPS[name]
-    key = _layout_key(op, group, scalar, inputs.values())
+    matched = group
+    if site_text is not None:
+        runners = executor.site_runners()
+        name = runners[0].group_name if len(runners) == 1 else None
+        op, _ = _SITES.setdefault(site_text, (1000 + len(_SITES), name))
+        matched = resolve_group(name, None)
+    else:
+        op = OPS[op]
+    key = (id(executor), op, id(matched), scalar) + tuple(
+        (t.shape, t.stride(), t.dtype, t.device) for t in inputs.values())
     if key in _declined:
         return
-    if not _record(op, executor, inputs, outputs, group, scalar):
+    if not _record(op, executor, inputs, outputs, group, matched, scalar):
         _declined.add(key)
 
 
-def _record(op: int, executor, inputs: dict, outputs: tuple, group, scalar: float) -> bool:
+def _record(op: int, executor, inputs: dict, outputs: tuple, group, matched,
+            scalar: float) -> bool:
     runner = executor.site_runners()
     if len(runner) != 1 or set(runner[0].outputs) != set(outputs):
         return False
@@ -65,11 +80,13 @@ def _record(op: int, executor, inputs: dict, outputs: tuple, group, scalar: floa
     results = prepared.plan.results(written)
     made = list(written.values())
     returned = [next(i for i, t in enumerate(made) if t is results[name]) for name in outputs]
+    if len(set(returned)) != len(returned):
+        return False  # one tensor for two outputs: the Python path's callers unalias them
     order = list(inputs)  # the op's tensors, in the order `call` passes them
     places = [order.index(n) for n in prepared.names] + [len(order) + i
                                                           for i in range(len(made))]
     record["slots"] = [(cell, places[index]) for cell, index in record["slots"]]
     used = {place for _, place in record["slots"]}
     aligned = [i in used for i in range(len(order))]
-    return express.add(op, group, scalar, tensors[0].device.index, list(inputs.values()), made,
+    return express.add(op, matched, scalar, tensors[0].device.index, list(inputs.values()), made,
                        returned, record, aligned, keep=prepared)

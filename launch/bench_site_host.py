@@ -50,6 +50,22 @@ class Block(torch.nn.Module):
         return x, residual
 
 
+def matching(pattern: str):
+    """A timing hook: the choices whose names match `pattern` win."""
+    return lambda medians: {n: 1.0 if re.search(pattern, n) else 2.0 for n in medians}
+
+
+def deepest(prefix: str):
+    """A timing hook: at each site the fused `prefix` choice with the deepest epilogue wins
+    (the one that runs the whole site in one launch)."""
+    def hook(medians):
+        depth = {n: int(re.search(r"e(\d+)\]$", n).group(1)) for n in medians
+                 if n.startswith(prefix + "[") and re.search(r"e(\d+)\]$", n)}
+        best = max(depth.values(), default=None)
+        return {n: 0.5 if depth.get(n, -1) == best else 2.0 for n in medians}
+    return hook
+
+
 def timed(fn, args, calls: int = 200) -> tuple[float, float]:
     for _ in range(5):
         fn(*args)
@@ -67,6 +83,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2048")
     parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--one-rank-symm", action="store_true",
+                        help="also every site fused into two_shot_polled_gather at world size "
+                             "1, through the eager ops' C++ path and without it")
     args = parser.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
@@ -78,6 +97,11 @@ def main(argv=None) -> None:
     import infini_dist.compile as idc
     from infini_dist.scheduler import engine
     dynamo_config.cache_size_limit = 64
+    if args.one_rank_symm:
+        from infini_dist.kernels import express
+        from infini_dist.launch.bench_eager_host import allow_one_rank
+        allow_one_rank()
+        express.start(wait=True)
     block = Block(args.hidden, dist.group.WORLD.group_name)
     print(f"{torch.cuda.get_device_name()}: {LAYERS} sites, hidden {args.hidden}")
     print("| tokens | variant | host µs | wall µs | rel. error vs eager |")
@@ -89,15 +113,21 @@ def main(argv=None) -> None:
             ref = block(x, residual)[0].double()
             torch._dynamo.reset()
             rows = {"plain compile": timed(torch.compile(block), (x, residual)) + ("",)}
-            variants = (("every site nccl+nt_epilogue", r"nccl\+nt_epilogue", False),
-                        ("every site native", r"^native$", False),
-                        ("native, compile_model's own recompiles", r"^native$", True))
-            for number, (variant, pattern, recompile) in enumerate(variants):
+            variants = [("every site nccl+nt_epilogue", matching(r"nccl\+nt_epilogue"), False,
+                         True),
+                        ("every site native", matching(r"^native$"), False, True),
+                        ("native, compile_model's own recompiles", matching(r"^native$"), True,
+                         True)]
+            if args.one_rank_symm:
+                variants += [(f"every site two_shot_polled_gather, {path} path",
+                              deepest("two_shot_polled_gather"), False, path == "C++")
+                             for path in ("C++", "Python")]
+            for number, (variant, hook, recompile, express_ops) in enumerate(variants):
                 # settings of their own: fresh executors and decision-cache keys per variant
                 threshold = 1.0 + 1e-6 * (1 + index * 10 + number)
-                with infini_dist.config.patch(fusion_speedup_threshold=threshold):
-                    engine.timing_hook = lambda m, p=pattern: {
-                        n: 1.0 if re.search(p, n) else 2.0 for n in m}
+                with infini_dist.config.patch(fusion_speedup_threshold=threshold,
+                                              express_ops=express_ops):
+                    engine.timing_hook = hook
                     torch._dynamo.reset()
                     compiled = idc.compile_model(block, recompile_decided=recompile)
                     error = float((compiled(x, residual)[0].double() - ref).norm() / ref.norm())

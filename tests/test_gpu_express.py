@@ -2,7 +2,8 @@
 symmetric-memory choice, the same call is matched and launched from C++. Its outputs must be
 bitwise those of the Python path for every kernel the engine offers, close to a float64
 reference, launched from C++ (its hit counter moves), captured and replayed in a CUDA graph,
-and a call with another layout must go back to the Python path and get its own record.
+and a call with another layout must go back to the Python path and get its own record. The
+compile pass's sites (torch.ops.infini_dist.fused_site) take the same path.
 
 One GPU: the symmetric-memory kernels run at world size 1 (bench_eager_host.allow_one_rank);
 their launches are the same at any world size. The multi-GPU engine tests
@@ -91,9 +92,46 @@ def express_worker(rank, world_size):
             hits=built.hits() - before, same=all(torch.equal(act[0], a) for a in act),
             error=((act[-1].double() - torch.relu(x.double()) * 0.5).abs().max()
                    / x.double().abs().max()).item())
+    report["compiled"] = _compiled_sites(built, device)
     report["records"] = built.size()
     assert ops_express.call is not None
     return report
+
+
+def _compiled_sites(built, device):
+    """The compile pass's sites (bench_site_host's 8-layer block) through the C++ path too."""
+    import torch.distributed as dist
+
+    import infini_dist
+    import infini_dist.compile as idc
+    from infini_dist.launch.bench_site_host import Block, deepest
+    from infini_dist.scheduler import engine
+    block = Block(1024, dist.group.WORLD.group_name)
+    x, residual = (torch.randn(4, 1024, device=device).bfloat16() for _ in range(2))
+    row = {}
+    with torch.no_grad():
+        ref = block(x, residual)
+        outputs = {}
+        for number, express_ops in enumerate((False, True)):
+            with infini_dist.config.patch(express_ops=express_ops,
+                                          fusion_speedup_threshold=1.5 + number * 1e-6):
+                engine.timing_hook = deepest("one_shot")
+                torch._dynamo.reset()
+                compiled = idc.compile_model(block)
+                for _ in range(3):
+                    compiled(x, residual)
+                before = built.hits()
+                outputs[express_ops] = compiled(x, residual)
+                torch.cuda.synchronize()
+                row[f"hits_{express_ops}"] = built.hits() - before
+            engine.timing_hook = None
+        row["same"] = all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
+        row["error"] = ((outputs[True][0].double() - ref[0].double()).norm()
+                        / ref[0].double().norm()).item()
+        row["choices"] = sorted({d["choice"] for d in
+                                 __import__("infini_dist.compile.runtime_op",
+                                            fromlist=["decisions"]).decisions()})
+    return row
 
 
 @pytest.mark.gpu
@@ -108,6 +146,9 @@ def test_express_path_matches_the_python_path_on_a_gpu():
         assert row["error"] < 2e-2 and row["other_error"] < 2e-2, row
         assert row["other_layout_hits"] == 1, row
         assert row["captured_hits"] == 1 and row["replay_error"] < 2e-2, row
+    compiled = report["compiled"]
+    assert compiled["hits_True"] == 8 and compiled["hits_False"] == 0, compiled
+    assert compiled["same"] and compiled["error"] < 2e-2, compiled
     relu = report["relu_scale"]
     assert relu["same"] and relu["error"] < 2e-2, relu
     print(report)
