@@ -2,6 +2,7 @@
 // table of committed launches, each matched on the op, its group, its scalar and the exact
 // layout of its tensors, then launched with cuLaunchKernel on the current stream. Python only
 // builds the records; a call that matches none returns None and takes the Python path.
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include <dlfcn.h>
@@ -61,7 +62,15 @@ bool matches(const Layout& layout, const at::Tensor& t) {
   return !layout.aligned || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-py::object call(int op, py::handle group, double scalar, const std::vector<at::Tensor>& args) {
+// `items`: the call's arguments as passed; anything but tensors leaves the call to Python,
+// whose checks say what is wrong.
+py::object call(int op, py::handle group, double scalar, const py::sequence& items) {
+  std::vector<at::Tensor> args;
+  args.reserve(items.size());
+  for (const auto& item : items) {
+    if (!THPVariable_Check(item.ptr())) return py::none();
+    args.push_back(THPVariable_Unpack(item.ptr()));
+  }
   bool grad = at::GradMode::is_enabled();
   for (const auto& record : records) {
     if (record->op != op || record->group != group.ptr() || record->scalar != scalar

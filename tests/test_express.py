@@ -94,6 +94,8 @@ def test_only_the_recorded_op_group_scalar_and_layouts_match(table):
     assert table.call(3, group, 0.5, [other.double(), weight]) is None      # dtype
     assert table.call(3, group, 0.5, [torch.randn(8, 4).t(), weight]) is None  # strides
     assert table.call(3, group, 0.5, [other]) is None                  # arity
+    assert table.call(3, group, 0.5, [other, None]) is None            # not a tensor
+    assert table.call(3, group, 0.5, [other, 1.0]) is None
     unaligned = torch.randn(33)[1:].view(4, 8)  # 4 bytes past an aligned start
     assert unaligned.data_ptr() % 16
     assert table.call(3, group, 0.5, [unaligned, weight]) is None
