@@ -8,18 +8,21 @@ Unfused torch equivalent (w [N, K] in F.linear's layout, or [K, N] without trans
     out = epilogue(y)                             # chain, then optional (add_)rms_norm
 
 Two launches, one after the other on one stream:
-  1. `gemm_push_kernel`, one program per output tile: the tile's GEMM (fp32 accumulator, the
-     bias added in fp32, rounded to the dtype like the matmul's output), the elementwise
-     prologue on it, then stores into slot `rank` of every rank's buffer (symm_device's
-     push_to_peers). No program waits for anything, so the transfers of finished tiles overlap
-     the tiles still being computed, and the grid may be any size.
+  1. `gemm_push_kernel`, each program making output tiles in turn (one per SM at prefill, one
+     tile each at decode): the tile's GEMM (fp32 accumulator, the bias added in fp32, rounded
+     to the dtype like the matmul's output; A and B through tensor descriptors where their
+     layouts allow), the elementwise prologue on it, then stores into slot `rank` of every
+     rank's buffer (symm_device's push_to_peers). No program waits for anything, so the
+     transfers of finished tiles overlap the tiles still being computed, and the grid may be
+     any size.
   2. `gemm_reduce_kernel`: the one-shot all-reduce's second half (symm_device.reduce_slots).
      Program b's block barrier pairs with program b of every peer, and a peer arrives there
      only once its launch 1 has finished, so every tile of every rank has landed; then the W
      slots are summed in rank order in fp32 and rounded once, and the epilogue (chain, norm,
      quantizer, symm_chain.finish_item) runs on whole rows.
-Both grids come from shapes alone, so every rank launches the same ones, and every rank sums
-the same values in the same order: bitwise identical outputs on every rank.
+The tiles and launch 2's grid come from shapes alone (launch 1's program count also from the
+GPU's SM count, which only decides which program makes a tile), so every rank sums the same
+values in the same order: bitwise identical outputs on every rank.
 
 Reuse is the one-shot's: two halves at fixed offsets, picked by the call counter that launch 2
 advances (launch 1 reads it), so call n+1 writes the other half. A peer writes this call's
@@ -30,6 +33,7 @@ this rank reaches only after finishing call n. Capped by the engine's adapter
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,53 +49,96 @@ from infini_dist.kernels.symm_device import (DEFAULT_TUNING, apply_prologue, cal
                                              program_items, push_to_peers, reduce_slots)
 
 
+@triton.jit
+def tile_at(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile `tile`'s (row, column) of tiles: groups of GROUP_M rows of tiles, column by column,
+    so the programs running at once read the same columns of B while they are in L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = tile // per_group * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + tile % per_group % group_m, tile % per_group // group_m
+
+
+@triton.jit
+def tile_product(a, b, tile_m, tile_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 TMA: tl.constexpr, B_NK: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One output tile's fp32 sum over K. TMA: `a` and `b` are tensor descriptors (the copy
+    engine fetches whole tiles, zero past every edge, so no masks and no index arithmetic);
+    else pointers with any strides."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        for step in range(0, tl.cdiv(K, BLOCK_K)):
+            x = a.load([tile_m * BLOCK_M, step * BLOCK_K])
+            if B_NK:  # F.linear's [N, K]: the tile comes K-major, the dot takes it transposed
+                w = b.load([tile_n * BLOCK_N, step * BLOCK_K]).T
+            else:
+                w = b.load([step * BLOCK_K, tile_n * BLOCK_N])
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    else:
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        # Rows and columns past the end read rows and columns that exist (their results are
+        # never stored), so only K needs masks, and none where BLOCK_K divides it.
+        a_ptrs = (a + (rows % M).to(tl.int64)[:, None] * stride_am
+                  + ks[None, :].to(tl.int64) * stride_ak)
+        b_ptrs = (b + ks[:, None].to(tl.int64) * stride_bk
+                  + (cols % N).to(tl.int64)[None, :] * stride_bn)
+        for step in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                x = tl.load(a_ptrs)
+                w = tl.load(b_ptrs)
+            else:
+                left = K - step * BLOCK_K
+                x = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0)
+                w = tl.load(b_ptrs, mask=ks[:, None] < left, other=0.0)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
 @triton.jit(do_not_specialize=["rank"])
 def gemm_push_kernel(
         a_ptr, b_ptr, bias_ptr, prologue, data_table, epoch_ptr, M, N, K, stride_am, stride_ak,
         stride_bk, stride_bn, slot_stride, half_stride, rank, PROLOGUE: tl.constexpr,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    # Tiles in groups of GROUP_M rows of tiles, column by column: a group reads the same
-    # columns of B while they are in L2.
-    pid = tl.program_id(0)
+        GROUP_M: tl.constexpr, WORLD_SIZE: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr,
+        FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    # Persistent: program p makes tiles p, p + programs, ... (any grid size works), so the
+    # descriptors are made once per program and, FLATTEN, the next tile's loads are issued
+    # during this tile's push.
+    tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = pid // per_group * GROUP_M
-    group_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    tile_m = first_m + pid % per_group % group_m
-    tile_n = pid % per_group // group_m
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    # Rows and columns past the end read rows and columns that exist (their results are never
-    # stored), so only K needs masks, and none where BLOCK_K divides it.
-    a_ptrs = (a_ptr + (rows % M).to(tl.int64)[:, None] * stride_am
-              + ks[None, :].to(tl.int64) * stride_ak)
-    b_ptrs = (b_ptr + ks[:, None].to(tl.int64) * stride_bk
-              + (cols % N).to(tl.int64)[None, :] * stride_bn)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+    if TMA:  # in-kernel descriptors: arguments stay plain pointers, as FastLaunch binds them
+        a = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        if B_NK:
+            b = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
         else:
-            left = K - step * BLOCK_K
-            a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0)
-            b = tl.load(b_ptrs, mask=ks[:, None] < left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            b = tl.make_tensor_descriptor(b_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
+    else:
+        a = a_ptr
+        b = b_ptr
     dtype = a_ptr.dtype.element_ty
-    index = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    y = apply_prologue(round_to(acc, dtype), index, mask, prologue, PROLOGUE, dtype)
     # Launch 2 advances every counter slot, so slot 0 holds this call's count.
     _, half = call_half(epoch_ptr, 0, half_stride)
-    push_to_peers(data_table, rank, half + rank * slot_stride + index, y.to(dtype), mask,
-                  WORLD_SIZE)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0),
+                         flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        tile_m, tile_n = tile_at(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tile_product(a, b, tile_m, tile_n, M, N, K, stride_am, stride_ak, stride_bk,
+                           stride_bn, TMA, B_NK, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        index = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        y = apply_prologue(round_to(acc, dtype), index, mask, prologue, PROLOGUE, dtype)
+        push_to_peers(data_table, rank, half + rank * slot_stride + index, y.to(dtype), mask,
+                      WORLD_SIZE)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -117,19 +164,59 @@ class GemmTiles:
     group_m: int
     num_warps: int
     num_stages: int
+    persistent: bool = False       # one program per SM looping over the tiles, else one a tile
+    warp_specialize: bool = False  # Triton's producer / consumer warps (TMA layouts only)
+    tma: bool = True               # tensor descriptors where the layouts allow them
 
 
 def gemm_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmTiles:
-    """Tile sizes from the shapes alone (the same on every rank; no per-rank autotuning): the
-    usual Hopper shapes for 16-bit prefill, one narrow row tile and more column tiles for
-    decode's few rows, and half-size tiles for fp32 (twice the shared memory per element). Not
-    tuned on GPUs yet."""
-    if m <= 64:  # decode: one row tile; more column tiles keep more SMs reading the weight
-        return GemmTiles(max(16, triton.next_power_of_2(m)), 64, 128 if dtype.itemsize < 4
-                         else 32, 1, 4, 4)
-    if dtype.itemsize < 4:
-        return GemmTiles(128, 128, 64, 8, 8, 3)
-    return GemmTiles(64, 64, 32, 8, 4, 3)
+    """Tile sizes from the shapes alone (the same on every rank; no per-rank autotuning), the
+    best of launch/bench_gemm_tiles' sweeps on an H100 (docs/benchmarks.md). 16-bit prefill:
+    128 x 256 tiles, persistent, tensor descriptors, warp-specialised. Decode (a row tile or
+    two, the weight streamed once): narrow column tiles over 256-deep K steps through plain
+    loads, which streamed it faster than descriptors did, and which spare the per-call scratch
+    allocation that descriptors need. fp32 (ieee dot): the old small tiles; descriptors and
+    bigger tiles measured slower there."""
+    if dtype.itemsize == 4:
+        if m <= 64:
+            return GemmTiles(max(16, triton.next_power_of_2(m)), 64, 32, 1, 4, 4, tma=False)
+        return GemmTiles(64, 64, 32, 8, 4, 3, tma=False)
+    if m > 64:
+        return GemmTiles(128, 256, 64, 8, 8, 3, persistent=True, warp_specialize=True)
+    if m > 32:
+        return GemmTiles(32, 64, 128, 1, 4, 4, tma=False)
+    if m > 16:
+        return GemmTiles(32, 32, 256, 1, 4, 4, tma=False)
+    # One row (Triton then compiles M == 1 in) runs best with wider column tiles.
+    return GemmTiles(16, 64 if m == 1 else 32, 256, 1, 4, 5, tma=False)
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: a few programs, each making several tiles
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def descriptor_ready(t: torch.Tensor) -> bool:
+    """Whether a 2-D tensor meets the copy engine's rules: its rows contiguous, the row stride
+    and the base address multiples of 16 bytes."""
+    return (t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def scratch_allocator() -> None:
+    """In-kernel tensor descriptors live in global scratch that Triton asks its allocator for
+    at every launch; its default refuses. Install torch's in this thread's context unless one is
+    set (the setting is a context variable: each thread starts without one; Triton has no
+    public getter for it)."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def matmul_precision(dtype: torch.dtype) -> str:
@@ -153,30 +240,38 @@ def carrier(buffer, dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 def gemm_all_reduce_launch(x, w, buffer, out, *, matmul_bias=None, transpose_weight=True,
-                           tuning=DEFAULT_TUNING, **options):
+                           tuning=DEFAULT_TUNING, tiles=None, **options):
     """The two launches, each (kernel, grid, args, kwargs). x: [M, K] (any strides), w: [N, K]
     with `transpose_weight` (F.linear's layout), else [K, N]; `matmul_bias` [N]; `out` and the
-    other outputs are the [M, N] results. Options as in symm_chain.fused_arguments (the
-    prologue's sides are [M, N]; `bias` is the norm's, as there). Reads only shapes, strides,
-    dtypes and devices of the tensors, so the engine binds it once with stand-ins
-    (nt_runtime.FastLaunch)."""
+    other outputs are the [M, N] results; `tiles` replaces gemm_tiles' choice (benchmarks).
+    Options as in symm_chain.fused_arguments (the prologue's sides are [M, N]; `bias` is the
+    norm's, as there). Reads only shapes, strides, dtypes, devices and the 16-byte alignment of
+    the tensors, so the engine binds it once with stand-ins (nt_runtime.FastLaunch) and
+    rebinds where an alignment changes (symm_gemm.PreparedGemm)."""
     m, k = x.shape
     n = w.shape[0] if transpose_weight else w.shape[1]
     numel = m * n
     layout, (x_like, prologue, epilogue), kwargs = fused_arguments(
         carrier(buffer, x.dtype, numel), buffer, out, **options)
-    tiles = gemm_tiles(m, n, k, x.dtype)
+    tiles = tiles or gemm_tiles(m, n, k, x.dtype)
+    tma = tiles.tma and descriptor_ready(x) and descriptor_ready(w)
+    if tma and x.is_cuda:
+        scratch_allocator()
     stride_bk, stride_bn = (w.stride(1), w.stride(0)) if transpose_weight else w.stride()
     slots, halves = slot_elements(numel), part_elements(buffer, x.element_size(), 2)
-    gemm = (gemm_push_kernel,
-            (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),),
+    programs = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+    if tiles.persistent:
+        programs = min(programs, _processors(x.device))
+    gemm = (gemm_push_kernel, (programs,),
             (x, w, x if matmul_bias is None else matmul_bias, prologue, buffer.data_table,
              buffer.epoch, m, n, k, x.stride(0), x.stride(1), stride_bk, stride_bn, slots,
              halves, buffer.rank),
             dict(PROLOGUE=kwargs.pop("PROLOGUE"), HAS_BIAS=matmul_bias is not None,
                  EVEN_K=k % tiles.block_k == 0, PRECISION=matmul_precision(x.dtype),
                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                 GROUP_M=tiles.group_m, WORLD_SIZE=buffer.world_size,
+                 GROUP_M=tiles.group_m, WORLD_SIZE=buffer.world_size, TMA=tma,
+                 B_NK=transpose_weight, FLATTEN=tiles.persistent,
+                 WARP_SPECIALIZE=tma and tiles.warp_specialize,
                  num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     reduce = (gemm_reduce_kernel, (layout.grid,),
               (x_like, epilogue, buffer.data_table, buffer.signal_table, buffer.epoch, numel,

@@ -121,6 +121,10 @@ def view_rows(x: torch.Tensor, k: int) -> torch.Tensor | None:
         return None
 
 
+def layout_of(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.data_ptr() % 16 == 0
+
+
 class PreparedGemm:
     """Both launches of one plan on one buffer, bound once (nt_runtime.FastLaunch, as
     symm_launch.PreparedLaunch binds one): a call checks its inputs' shapes and strides against the
@@ -130,7 +134,7 @@ class PreparedGemm:
                  tuning: SymmTuning, fast: bool):
         self.algorithm, self.plan, self.buffer, self.tuning = algorithm, plan, buffer, tuning
         self.names = plan.tensor_inputs
-        self.layouts = tuple((env[n].shape, env[n].stride()) for n in self.names)
+        self.layouts = tuple(layout_of(env[n]) for n in self.names)
         rows = view_rows(env[plan.x], plan.k)
         # else every call takes the normal path
         self.enabled = fast and rows is not None and self.usable([env[n] for n in self.names])
@@ -148,8 +152,9 @@ class PreparedGemm:
 
     def usable(self, tensors) -> bool:
         """Whether `tensors` (by self.names) have the bound call's layouts: the first call's
-        shapes and strides, all but x and w (the GEMM takes any strides) contiguous."""
-        return all((t.shape, t.stride()) == layout and (i < 2 or t.is_contiguous())
+        shapes, strides and 16-byte alignments (the GEMM's tensor descriptors are bound by
+        them), all but x and w (the GEMM takes any strides) contiguous."""
+        return all(layout_of(t) == layout and (i < 2 or t.is_contiguous())
                    for i, (t, layout) in enumerate(zip(tensors, self.layouts)))
 
     def __call__(self, env: dict) -> dict:
@@ -157,6 +162,8 @@ class PreparedGemm:
         if not self.enabled or not self.usable(tensors):
             return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
         tensors[0] = tensors[0].view(-1, self.plan.k)  # x first (tensor_inputs), as [rows, K]
+        if tensors[0].is_cuda:  # this thread may never have bound a launch
+            kernel_module.scratch_allocator()
         written = self.plan.tail.allocate(tensors[0].device)
         for launch in self.launches:
             launch(*tensors, *written.values())
