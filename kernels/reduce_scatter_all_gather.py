@@ -124,6 +124,29 @@ def shard_shape(x, world_size: int) -> tuple:
     return (x.shape[0] // world_size,) + tuple(x.shape[1:])
 
 
+def shard_rows(x, world_size: int) -> tuple[int, int]:
+    """(rows, row length) of a rank's shard of x [W * n, ...], or ValueError where a program
+    cannot hold a row."""
+    shard = shard_shape(x, world_size)
+    row = shard[-1]
+    if row > MAX_ROW:
+        raise ValueError(f"rows of at most {MAX_ROW} (a program holds a whole row), got {row}")
+    return math.prod(shard) // row, row
+
+
+def shard_call(x, group, buffer, epilogue, weight, residual, eps, norm, bias, quant):
+    """What a plain callable over x [W * n, ...] checks and allocates before its launch:
+    (x contiguous, world size, launch options, (out, scales, pre) of the shard's shape)."""
+    x = checked_input(x)
+    world_size = world_size_of(group, buffer)
+    shard_rows(x, world_size)  # refused before a collective buffer is allocated
+    shard = x[:x.shape[0] // world_size]  # what the epilogue's operands must be like
+    sides = {}
+    options = dict(epilogue=chain_ops(epilogue, shard, sides), sides=sides, eps=float(eps),
+                   **norm_options(shard, norm, weight, bias, residual), **quant_options(quant))
+    return x, world_size, options, call_outputs(shard, quant, residual)
+
+
 def reduce_scatter_all_gather_launch(x, buffer, out, gathered, *, tuning=DEFAULT_TUNING,
                                      **options):
     """The launch, as (kernel, grid, args, kwargs). x: [W * n, ...]. Either `out`, the
@@ -135,11 +158,7 @@ def reduce_scatter_all_gather_launch(x, buffer, out, gathered, *, tuning=DEFAULT
     engine binds it once with stand-ins for them (nt_runtime.FastLaunch)."""
     if (out is None) == (gathered is None):
         raise ValueError("pass `out` (the shard's value) or `gathered`, not both")
-    shard = shard_shape(x, buffer.world_size)
-    row = shard[-1]
-    if row > MAX_ROW:
-        raise ValueError(f"rows of at most {MAX_ROW} (a program holds a whole row), got {row}")
-    rows = math.prod(shard) // row
+    rows, row = shard_rows(x, buffer.world_size)
     out_dtype = _QUANT_DTYPES.get(options.get("quant", 0), x.dtype)
     if gathered is not None:
         out = local_region(buffer, out_dtype, rows * row)
@@ -175,14 +194,9 @@ def reduce_scatter_all_gather(x, *, group=None, epilogue=(), weight=None, residu
     Only `out` is gathered: the scales and the residual are this rank's shard. The sums are
     fp32 in rank order, so every rank gathers the same bits. `epilogue`, `norm`, `bias`,
     `quant`, `buffer` and `tuning` as in symm_call.SymmKernel.__call__; no prologue."""
-    x = checked_input(x)
-    world_size = world_size_of(group, buffer)
-    shard = x[:shard_shape(x, world_size)[0]]  # what the epilogue's operands must be like
-    sides = {}
-    options = dict(epilogue=chain_ops(epilogue, shard, sides), sides=sides, eps=float(eps),
-                   **norm_options(shard, norm, weight, bias, residual), **quant_options(quant))
-    out, scales, pre = call_outputs(shard, quant, residual)
-    size = data_bytes(shard.numel(), max(x.element_size(), out.element_size()), world_size)
+    x, world_size, options, (out, scales, pre) = shard_call(
+        x, group, buffer, epilogue, weight, residual, eps, norm, bias, quant)
+    size = data_bytes(out.numel(), max(x.element_size(), out.element_size()), world_size)
     buffer = call_buffer(buffer, group, x.device, KIND, size)
     gathered = torch.empty_like(x, dtype=out.dtype) if gather else None
     kernel, grid, args, kwargs = reduce_scatter_all_gather_launch(

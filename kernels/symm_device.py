@@ -9,11 +9,11 @@ composes, so that each kernel reads as signature, phases, launch.
   stores only, staggered so peers are not all hit at once. The one-shot's second phase
   (`reduce_slots`: barrier, rank-order sums, epilogue), which the GEMM + all-reduce kernel
   (kernels/gemm_all_reduce.py) runs after its GEMM's pushes too.
-- The chains (`apply_prologue`, `finish`): the symm_chain ops, unpacked from the kernels' tuple
-  arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE = (OP0, OP1, OP2) and
-  EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE, WRITE_RSTD, WRITE_REDUCED, QUANT)
-  constexpr, `prologue` = (scalar, side) x 3 and `epilogue` = (out, pre, rstd, reduced, weight,
-  bias, residual, eps) + (scalar, side) x 3 + (quant scale, scales)
+- The chains (`apply_prologue`, `finish`, `finish_into`): the symm_chain ops, unpacked from
+  the kernels' tuple arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE =
+  (OP0, OP1, OP2) and EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE, WRITE_RSTD,
+  WRITE_REDUCED, QUANT) constexpr, `prologue` = (scalar, side) x 3 and `epilogue` = (out, pre,
+  rstd, reduced, weight, bias, residual, eps) + (scalar, side) x 3 + (quant scale, scales)
   (symm_chain.fused_arguments).
 - The two-shot phases over groups of items (`staging_targets`, `scatter_items`, `reduce_items`,
   `finish_items`), shared by the barrier, Lamport and polled-gather two-shot kernels.
@@ -88,8 +88,17 @@ def apply_prologue(x, index, mask, chain, OPS: tl.constexpr, DTYPE: tl.constexpr
 @triton.jit
 def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr):
     """symm_chain.finish_item (the epilogue chain, the norm, the stores) of the reduced `y`."""
-    finish_item(y, index, column, mask, epilogue[0], epilogue[1], epilogue[2], epilogue[3],
-                epilogue[4], epilogue[5], epilogue[6], epilogue[7], OPS[0], epilogue[8],
+    finish_into(y, index, column, mask, epilogue, OPS, ITEM, epilogue[0], epilogue[6])
+
+
+@triton.jit
+def finish_into(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr,
+                out_ptr, residual_ptr):
+    """`finish`, `out` stored and the residual read at other places than the epilogue's: rows
+    of another rank's shard (kernels/one_shot_scatter_gather.py), their side outputs off in
+    OPS."""
+    finish_item(y, index, column, mask, out_ptr, epilogue[1], epilogue[2], epilogue[3],
+                epilogue[4], epilogue[5], residual_ptr, epilogue[7], OPS[0], epilogue[8],
                 epilogue[9], OPS[1], epilogue[10], epilogue[11], OPS[2], epilogue[12],
                 epilogue[13], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], ITEM, OPS[8],
                 epilogue[14], epilogue[15])

@@ -1,7 +1,8 @@
 """Sequence parallelism on GPUs: torch's TP-tutorial plan (tests/sp_model.py) in bf16, compiled
-with the pass, with the engine made to commit our one-launch reduce_scatter -> add + RMSNorm ->
-all_gather (symm_scatter_gather at its full depth) wherever it can. A training step's output and
-gradients against eager SP, then reduce-overhead inference (CUDA graphs) replayed against eager.
+with the pass, with the engine made to commit one of our one-launch reduce_scatter -> add +
+RMSNorm -> all_gather algorithms (symm_scatter_gather, or one_shot_scatter_gather, at their full
+depth) wherever it can. A training step's output and gradients against eager SP, then
+reduce-overhead inference (CUDA graphs) replayed against eager.
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _prefer_ours(medians: dict) -> dict:
-    """Our span kernel wins, the deeper the better; native loses to everything."""
-    def time(name):
-        if name == "native":
-            return 10.0
-        depth = re.search(r"\[p\d+,e(\d+)\]", name)
-        mine = name.startswith("symm_scatter_gather")
-        return (5.0 if mine else 9.0) - (0.1 * int(depth.group(1)) if depth else 0.0)
-    return {n: time(n) for n in medians}
+def _prefer(algorithm: str):
+    """A timing hook: `algorithm` wins, the deeper the better; native loses to everything."""
+    def hook(medians: dict) -> dict:
+        def time(name):
+            if name == "native":
+                return 10.0
+            depth = re.search(r"\[p\d+,e(\d+)\]", name)
+            mine = name.startswith(algorithm)
+            return (5.0 if mine else 9.0) - (0.1 * int(depth.group(1)) if depth else 0.0)
+        return {n: time(n) for n in medians}
+    return hook
 
 
 def _error(a, b) -> float:
@@ -37,14 +40,14 @@ def _error(a, b) -> float:
     return float((a - b).norm() / (b.norm() + 1e-12))
 
 
-def sp_gpu_rank(rank, world):
+def sp_gpu_rank(rank, world, algorithm):
     from torch.distributed.device_mesh import init_device_mesh
 
     import infini_dist.compile as idc
     import sp_model
     from infini_dist.scheduler import engine
     torch.cuda.set_device(rank)
-    engine.timing_hook = _prefer_ours
+    engine.timing_hook = _prefer(algorithm)
     mesh = init_device_mesh("cuda", (world,))
     torch.manual_seed(0)
     full = sp_model.Model(layers=2, dim=512, hidden=1024, head_dim=64).cuda().bfloat16()
@@ -76,12 +79,14 @@ def sp_gpu_rank(rank, world):
             "graphed": worst}
 
 
-def test_sequence_parallel_on_gpus():
+@pytest.mark.parametrize("algorithm", ["symm_scatter_gather", "one_shot_scatter_gather"])
+def test_sequence_parallel_on_gpus(algorithm):
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    results = run_ranks(sp_gpu_rank, 2, backend="nccl", env=SAFE_GPU_ENV, timeout=540)
+    results = run_ranks(sp_gpu_rank, 2, algorithm, backend="nccl", env=SAFE_GPU_ENV,
+                        timeout=540)
     for r in results:
-        assert any(c.startswith("symm_scatter_gather") for c in r["chosen"]), r["chosen"]
+        assert any(c.startswith(algorithm) for c in r["chosen"]), r["chosen"]
         assert r["out"] < 2e-2 and r["x_grad"] < 2e-2 and r["grads"] < 2e-2, r
         assert r["graphed"] < 2e-2, r
     assert results[0]["chosen"] == results[1]["chosen"]

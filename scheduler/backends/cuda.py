@@ -22,8 +22,9 @@ def _symm():
 
 
 def _symm_scatter():
-    from infini_dist.scheduler.backends.symm_scatter import SymmScatterGather
-    return [("reduce_scatter", SymmScatterGather())]
+    from infini_dist.scheduler.backends.symm_scatter import (OneShotScatterGather,
+                                                              SymmScatterGather)
+    return [("reduce_scatter", SymmScatterGather()), ("reduce_scatter", OneShotScatterGather())]
 
 
 def _matmul():

@@ -1,6 +1,9 @@
-"""The engine's algorithm over kernels/reduce_scatter_all_gather: `symm_scatter_gather`, a
-reduce_scatter, its epilogue on the shard and, where the span ends in one, the all_gather of the
-epilogue's value, all in one launch.
+"""The engine's algorithms for sequence-parallel spans: `symm_scatter_gather`
+(kernels/reduce_scatter_all_gather), a reduce_scatter, its epilogue on the shard and, where the
+span ends in one, the all_gather of the epilogue's value, all in one launch; and
+`one_shot_scatter_gather` (kernels/one_shot_scatter_gather), the same span where it gathers,
+with one barrier instead of two: every rank reduces every row, so it moves W copies of the
+whole input and is offered only as small as the one-shot all-reduce.
 
 The epilogue is planned as the all-reduce kernels plan theirs (symm.plan_span), on a stand-in
 span whose all_reduce has the shard's shape: the same chains, norms, rsqrt and quantizers, at
@@ -14,12 +17,12 @@ import math
 
 import torch
 
-from infini_dist.kernels import reduce_scatter_all_gather as kernel_module
+from infini_dist.kernels import one_shot_scatter_gather, reduce_scatter_all_gather
 from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.nt_runtime import FastLaunch
 from infini_dist.kernels.symm_chain import MAX_ROW
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
-from infini_dist.scheduler.backends.symm import SpanPlan, plan_span
+from infini_dist.scheduler.backends.symm import ONE_SHOT_MAX_BYTES, SpanPlan, plan_span
 from infini_dist.scheduler.backends.symm_launch import PreparedAtFirstCall, warm_up
 from infini_dist.scheduler.choices import Algorithm, FusedSpan, TensorMeta
 from infini_dist.scheduler.ir import OpNode, SubGraph
@@ -82,23 +85,31 @@ def plan_scatter(span, meta, ctx) -> ScatterPlan | None:
 
 class SymmScatterGather(Algorithm):
     name = "symm_scatter_gather"
+    module = reduce_scatter_all_gather  # the kernel file: its KIND, data_bytes, launch builder
+    max_bytes = MAX_BYTES
+
+    def plan(self, span, meta, ctx) -> ScatterPlan | None:
+        """plan_scatter's plan where this algorithm runs it, else None."""
+        plan = plan_scatter(span, meta, ctx)
+        if (plan is None or ctx.world_size < 2 or not ctx.single_host
+                or math.prod(plan.full_shape) * plan.epilogue.dtype.itemsize > self.max_bytes):
+            return None
+        return plan
 
     def supports(self, span, meta, ctx) -> bool:
-        plan = plan_scatter(span, meta, ctx)
-        return (plan is not None and ctx.world_size > 1 and ctx.single_host
-                and math.prod(plan.full_shape) * plan.epilogue.dtype.itemsize <= MAX_BYTES)
+        return self.plan(span, meta, ctx) is not None
 
     def data_bytes(self, plan: ScatterPlan, world_size: int) -> int:
         out = plan.epilogue.out_dtype or plan.epilogue.dtype
         size = max(plan.epilogue.dtype.itemsize, out.itemsize)
-        return kernel_module.data_bytes(plan.shard_numel, size, world_size)
+        return self.module.data_bytes(plan.shard_numel, size, world_size)
 
     def arguments(self, plan: ScatterPlan, tensors: dict, buffer, written: dict, gathered,
                   tuning=DEFAULT_TUNING):
         """(kernel, grid, args, kwargs) of one launch; `written` by SpanPlan.writes keyword,
         `out` among them only where the span gathers nothing."""
         outputs = dict(written)
-        return kernel_module.reduce_scatter_all_gather_launch(
+        return self.module.reduce_scatter_all_gather_launch(
             tensors[plan.epilogue.source], buffer, outputs.pop("out", None), gathered,
             tuning=tuning, **plan.epilogue.launch_options(tensors), **outputs)
 
@@ -138,12 +149,12 @@ class SymmScatterGather(Algorithm):
         return self._results(plan, written, gathered, buffer.rank)
 
     def compile(self, span, meta, ctx):
-        plan = plan_scatter(span, meta, ctx)
+        plan = self.plan(span, meta, ctx)
         names = plan.epilogue.tensor_inputs if plan is not None else ()
         data_bytes, tuning, fast = warm_up(self, plan, names, meta, ctx)
 
         def prepare(env):  # collective: the buffer's allocation and rendezvous
-            buffer = symm_buffers.get_buffer(ctx.group, ctx.device, kernel_module.KIND,
+            buffer = symm_buffers.get_buffer(ctx.group, ctx.device, self.module.KIND,
                                              data_bytes, 0)
             shapes = [env[n].shape for n in names]
             stand = {n: env[n].view(env[n].shape) for n in names}
@@ -166,3 +177,26 @@ class SymmScatterGather(Algorithm):
                 return self._results(plan, written, gathered, buffer.rank)
             return run
         return PreparedAtFirstCall(prepare)
+
+
+class OneShotScatterGather(SymmScatterGather):
+    """Spans that gather, small enough that every rank moving all of x to every peer costs less
+    than the scatter-gather's second barrier (kernels/one_shot_scatter_gather)."""
+    name = "one_shot_scatter_gather"
+    module = one_shot_scatter_gather
+    max_bytes = ONE_SHOT_MAX_BYTES  # x's bytes, each rank pushing them to every rank
+
+    def plan(self, span, meta, ctx) -> ScatterPlan | None:
+        plan = super().plan(span, meta, ctx)
+        if plan is None or plan.gathered is None or self.module.unsupported(
+                plan.epilogue.epilogue, plan.epilogue.quant) is not None:
+            return None
+        return plan
+
+    def arguments(self, plan: ScatterPlan, tensors: dict, buffer, written: dict, gathered,
+                  tuning=DEFAULT_TUNING):
+        """(kernel, grid, args, kwargs) of one launch; `written` by SpanPlan.writes keyword,
+        `out` not among them (it is the gathered value)."""
+        return self.module.one_shot_scatter_gather_launch(
+            tensors[plan.epilogue.source], buffer, gathered, tuning=tuning,
+            **plan.epilogue.launch_options(tensors), **written)
