@@ -60,8 +60,8 @@ def offer(op: int | str, executor, inputs: dict, outputs: tuple, group, scalar: 
 def _record(op: int, executor, inputs: dict, outputs: tuple, group, matched,
             scalar: float) -> bool:
     runner = executor.site_runners()
-    if len(runner) != 1 or set(runner[0].outputs) != set(outputs):
-        return False
+    if executor.has_loose or len(runner) != 1 or set(runner[0].outputs) != set(outputs):
+        return False  # the launch would be only part of the call
     choice = runner[0].committed(inputs, group)
     prepared = getattr(choice, "_runner", None) if choice is not None and choice._direct \
         else None

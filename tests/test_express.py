@@ -197,3 +197,4 @@ def test_launch_record_only_where_the_driver_reports_the_packed_parameters(monke
     metadata.global_scratch_size = 0
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *args: None)
     assert express.launch_record(launch) is None
+
