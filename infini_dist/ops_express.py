@@ -19,7 +19,10 @@ from infini_dist.scheduler.choices import resolve_group
 
 OPS = {"all_reduce_relu_scale": 0, "all_reduce_add_rms_norm": 1, "all_reduce_swiglu": 2}
 _SITES: dict[str, tuple[int, str | None]] = {}  # compiled site text -> (op id, group name)
-_declined: set = set()  # (executor, op, group, scalar, layouts) that cannot be recorded
+# (executor, op, group, scalar, layouts) offered since the table was last cleared, recorded or
+# not: an autograd call, which the table never takes, offers the same launch again every time.
+_offered: set = set()
+_offered_at = [-1]  # express.cleared() when _offered was last emptied
 call = None  # the C++ table's call(op, group, scalar, tensors) once built, else None
 
 
@@ -51,14 +54,19 @@ def offer(op: int | str, executor, inputs: dict, outputs: tuple, group, scalar: 
         op = OPS[op]
     key = (id(executor), op, id(matched), scalar) + tuple(
         (t.shape, t.stride(), t.dtype, t.device) for t in inputs.values())
-    if key in _declined:
+    if _offered_at[0] != express.cleared():
+        _offered.clear()
+        _offered_at[0] = express.cleared()
+    if key in _offered:
         return
-    if not _record(op, executor, inputs, outputs, group, matched, scalar):
-        _declined.add(key)
+    _offered.add(key)
+    if _record(op, executor, inputs, outputs, group, matched, scalar) is None:
+        _offered.discard(key)  # not yet: the launch has not taken its short path
 
 
 def _record(op: int, executor, inputs: dict, outputs: tuple, group, matched,
-            scalar: float) -> bool:
+            scalar: float) -> bool | None:
+    """Whether the launch was recorded; None where a later call may record it."""
     runner = executor.site_runners()
     if executor.has_loose or len(runner) != 1 or set(runner[0].outputs) != set(outputs):
         return False  # the launch would be only part of the call
@@ -73,6 +81,8 @@ def _record(op: int, executor, inputs: dict, outputs: tuple, group, matched,
             or any(t.shape != s or not t.is_contiguous()
                    for t, s in zip(tensors, prepared.shapes))):
         return False  # this call copied its inputs (PreparedLaunch's normal path)
+    if not prepared.launch.fast:  # it adopts its kernel at its first aligned call
+        return False if prepared.launch.normal_only else None
     record = express.launch_record(prepared.launch)
     if record is None:
         return False

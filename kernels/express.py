@@ -35,7 +35,7 @@ log = logging.getLogger("infini_dist")
 MAX_RECORDS = 512  # a serving job's token counts: one record per exact shape
 _INT_SIZES = {"i1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8,
               "u64": 8}
-_state = {"module": None, "thread": None, "error": None}
+_state = {"module": None, "thread": None, "error": None, "cleared": 0}
 _lock = threading.Lock()
 
 
@@ -76,9 +76,15 @@ def module():
 
 def clear() -> None:
     """Forget every record: the config or an op's definition changed."""
+    _state["cleared"] += 1
     built = _state["module"]
     if built is not None:
         built.clear()
+
+
+def cleared() -> int:
+    """How many times the records were forgotten (whoever remembers what it offered resets)."""
+    return _state["cleared"]
 
 
 class _Slot:  # a per-call tensor's place among a FastLaunch's arguments

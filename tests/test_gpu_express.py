@@ -92,6 +92,21 @@ def express_worker(rank, world_size):
             hits=built.hits() - before, same=all(torch.equal(act[0], a) for a in act),
             error=((act[-1].double() - torch.relu(x.double()) * 0.5).abs().max()
                    / x.double().abs().max()).item())
+    # Autograd calls never take the C++ path, and offering their launch again at every call
+    # must not grow the table.
+    with infini_dist.config.patch(fusion_speedup_threshold=1.25):
+        engine.timing_hook = lambda medians: {
+            n: 0.5 if n.startswith("one_shot[") and n.endswith("e1]") else 2.0 for n in medians}
+        x, residual, weight = inputs(16)
+        wants = x.detach().requires_grad_()
+        size, hits = built.size(), built.hits()
+        for _ in range(4):
+            out, _ = ops.all_reduce_add_rms_norm(wants, residual, weight)
+        out.float().sum().backward()
+        report["autograd"] = dict(grew=built.size() - size, hits=built.hits() - hits,
+                                  grad=bool(wants.grad is not None
+                                            and torch.isfinite(wants.grad).all()))
+        engine.timing_hook = None
     report["compiled"] = _compiled_sites(built, device)
     report["records"] = built.size()
     assert ops_express.call is not None
@@ -146,6 +161,8 @@ def test_express_path_matches_the_python_path_on_a_gpu():
         assert row["error"] < 2e-2 and row["other_error"] < 2e-2, row
         assert row["other_layout_hits"] == 1, row
         assert row["captured_hits"] == 1 and row["replay_error"] < 2e-2, row
+    assert report["autograd"]["hits"] == 0 and report["autograd"]["grew"] <= 1, report
+    assert report["autograd"]["grad"], report
     compiled = report["compiled"]
     assert compiled["hits_True"] == 8 and compiled["hits_False"] == 0, compiled
     assert compiled["same"] and compiled["error"] < 2e-2, compiled
