@@ -70,9 +70,7 @@ class SiteRunner:
         self.last_decision: dict | None = None  # set by tuning or by a cache hit
 
     def run(self, env: dict, group) -> dict:
-        values = {name: env[name] for name in self.inputs}
-        group = resolve_group(self.group_name, group)
-        local = self._local(values, group)
+        values, group, local = self._signature(env, group)
         choice = self._committed.get(local)
         if choice is None:
             with self._lock:
@@ -84,25 +82,23 @@ class SiteRunner:
                                     self.settings.tuning_timeout_s)
         return choice.run(values)
 
-    @staticmethod
-    def _local(values: dict, group) -> tuple:
+    def _signature(self, env: dict, group) -> tuple[dict, object, tuple]:
+        """(this site's inputs, its group, the exact signature its choices are committed by)."""
+        values = {name: env[name] for name in self.inputs}
+        group = resolve_group(self.group_name, group)
         # torch.Size hashes and compares as the tuple it is: no copy per call.
-        return (id(group),) + tuple((v.shape, v.dtype, v.is_contiguous(), v.device)
-                                    if isinstance(v, torch.Tensor) else (type(v), v)
-                                    for v in values.values())
+        return values, group, (id(group),) + tuple(
+            (v.shape, v.dtype, v.is_contiguous(), v.device) if isinstance(v, torch.Tensor)
+            else (type(v), v) for v in values.values())
 
     def committed(self, values: dict, group=None) -> Choice | None:
         """What a call with these inputs runs without tuning or agreeing first, if anything."""
-        if self._call_keys:
-            return None
-        values = {name: values[name] for name in self.inputs}
-        return self._committed.get(self._local(values, resolve_group(self.group_name, group)))
+        return None if self._call_keys else self._committed.get(self._signature(values, group)[2])
 
     def decided(self, values: dict, group=None) -> Choice | None:
         """The choice committed in this process for the token bucket of these inputs, if any:
         no communication, and shapes are all it reads (fake tensors do)."""
-        values = {name: values[name] for name in self.inputs}
-        group = resolve_group(self.group_name, group)
+        values, group, _ = self._signature(values, group)
         tokens = self._tokens(values)
         return self.decided_buckets().get((id(group),) + buckets.signature(values, tokens))
 
