@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #ifdef EXPRESS_WITH_CUDA
@@ -52,7 +53,25 @@ struct Record {
 };
 
 std::vector<std::unique_ptr<Record>> records;
+// Records by the hash of what a call is matched on first (op, group, scalar, input sizes), so
+// that a serving job's hundreds of token counts cost one lookup, not a scan.
+std::unordered_map<uint64_t, std::vector<Record*>> index;
 int64_t hits = 0;  // calls launched from here: what tests and benchmarks check
+
+uint64_t mix(uint64_t seed, uint64_t value) {
+  return seed ^ (value + 0x9e3779b97f4a7c15ULL + (seed << 6) + (seed >> 2));
+}
+
+uint64_t key_of(int op, const void* group, double scalar,
+                const std::vector<c10::IntArrayRef>& shapes) {
+  uint64_t bits;
+  std::memcpy(&bits, &scalar, sizeof bits);
+  uint64_t key = mix(mix(mix(static_cast<uint64_t>(op), reinterpret_cast<uintptr_t>(group)),
+                         bits), shapes.size());
+  for (const auto& shape : shapes)
+    for (int64_t size : shape) key = mix(key, static_cast<uint64_t>(size));
+  return key;
+}
 
 bool matches(const Layout& layout, const at::Tensor& t) {
   if (!t.defined() || t.scalar_type() != layout.dtype || !t.has_storage()
@@ -71,8 +90,13 @@ py::object call(int op, py::handle group, double scalar, const py::sequence& ite
     if (!THPVariable_Check(item.ptr())) return py::none();
     args.push_back(THPVariable_Unpack(item.ptr()));
   }
+  std::vector<c10::IntArrayRef> shapes;
+  shapes.reserve(args.size());
+  for (const auto& t : args) shapes.push_back(t.sizes());
+  auto found = index.find(key_of(op, group.ptr(), scalar, shapes));
+  if (found == index.end()) return py::none();
   bool grad = at::GradMode::is_enabled();
-  for (const auto& record : records) {
+  for (const Record* record : found->second) {
     if (record->op != op || record->group != group.ptr() || record->scalar != scalar
         || record->inputs.size() != args.size())
       continue;
@@ -155,6 +179,9 @@ void add(int op, py::object group, py::object keep, double scalar, int device,
   record->shared = static_cast<unsigned>(shared);
   record->cells = cells;
   record->slots = slots;
+  std::vector<c10::IntArrayRef> shapes;
+  for (const auto& layout : record->inputs) shapes.push_back(layout.sizes);
+  index[key_of(op, record->group, scalar, shapes)].push_back(record.get());
   records.push_back(std::move(record));
 }
 
@@ -163,6 +190,7 @@ void clear() {  // with the GIL held, from Python: the groups' references are dr
     Py_XDECREF(record->group);
     Py_XDECREF(record->keep);
   }
+  index.clear();
   records.clear();
 }
 

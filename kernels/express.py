@@ -32,7 +32,7 @@ import torch
 
 log = logging.getLogger("infini_dist")
 
-MAX_RECORDS = 512  # a serving job's token counts: one record per exact shape
+MAX_RECORDS = 8192  # a serving job's token counts: one record per exact shape (~1 KB each)
 _INT_SIZES = {"i1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8,
               "u64": 8}
 _state = {"module": None, "thread": None, "error": None, "cleared": 0}

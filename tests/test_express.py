@@ -198,3 +198,22 @@ def test_launch_record_only_where_the_driver_reports_the_packed_parameters(monke
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *args: None)
     assert express.launch_record(launch) is None
 
+
+
+def test_many_records_each_match_only_their_own_layout(table):
+    # A serving job's token counts: one record per count, found by lookup, each launching its
+    # own parameters.
+    table.clear()
+    group = object()
+    weight = torch.randn(8)
+    for tokens in range(1, 301):
+        assert _record(table, group, torch.randn(tokens, 8), weight, scalar=0.5)
+    assert table.size() == 300
+    for tokens in (1, 7, 150, 300):
+        y = torch.randn(tokens, 8)
+        SEEN.clear()
+        (out,) = table.call(3, group, 0.5, [y, weight])
+        assert SEEN[0]["cells"][3] & 0xFFFFFFFF == tokens * 8
+        torch.testing.assert_close(out, 2 * y + 1, rtol=0, atol=0)
+    assert table.call(3, group, 0.5, [torch.randn(301, 8), weight]) is None
+    assert table.call(3, group, 0.25, [torch.randn(7, 8), weight]) is None
