@@ -46,8 +46,8 @@ def offer(op: int | str, executor, inputs: dict, outputs: tuple, group, scalar: 
     call = built.call
     matched = group
     if site_text is not None:
-        runners = executor.site_runners()
-        name = runners[0].group_name if len(runners) == 1 else None
+        site = executor.single_site
+        name = site.group_name if site is not None else None
         op, _ = _SITES.setdefault(site_text, (1000 + len(_SITES), name))
         matched = resolve_group(name, None)
     else:
@@ -67,19 +67,16 @@ def offer(op: int | str, executor, inputs: dict, outputs: tuple, group, scalar: 
 def _record(op: int, executor, inputs: dict, outputs: tuple, group, matched,
             scalar: float) -> bool | None:
     """Whether the launch was recorded; None where a later call may record it."""
-    runner = executor.site_runners()
-    if executor.has_loose or len(runner) != 1 or set(runner[0].outputs) != set(outputs):
+    runner = executor.single_site
+    if runner is None:
         return False  # the launch would be only part of the call
-    choice = runner[0].committed(inputs, group)
-    prepared = getattr(choice, "_runner", None) if choice is not None and choice._direct \
-        else None
-    prepared = getattr(prepared, "prepared", None)
-    if not isinstance(prepared, PreparedLaunch) or not prepared.enabled:
+    choice = runner.committed(inputs, group)
+    direct = choice._runner if choice is not None and choice._direct else None
+    prepared = getattr(direct, "prepared", None)
+    if not isinstance(prepared, PreparedLaunch):
         return False
     tensors = [inputs[name] for name in prepared.names]
-    if (tensors[0].dtype is not prepared.plan.dtype
-            or any(t.shape != s or not t.is_contiguous()
-                   for t, s in zip(tensors, prepared.shapes))):
+    if not prepared.bound(tensors):
         return False  # this call copied its inputs (PreparedLaunch's normal path)
     if not prepared.launch.fast:  # it adopts its kernel at its first aligned call
         return False if prepared.launch.normal_only else None

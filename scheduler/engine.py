@@ -366,14 +366,14 @@ class GraphExecutor:
                 # Prologue nodes are private to their anchor, so running them here is safe.
                 self.plan.append(("site", SiteRunner(graph, site, settings, compiled)))
         self.has_loose = any(kind == "node" for kind, _ in self.plan)
-        only = self.plan[0][1] if len(self.plan) == 1 and not self.has_loose else None
+        one = self.plan[0][1] if len(self.plan) == 1 and not self.has_loose else None
         # A graph that is one site (every eager op): calls go straight to its runner.
-        self._only = only if only and set(only.outputs) == set(graph.output_names) else None
+        self.single_site = one if one and set(one.outputs) == set(graph.output_names) else None
         self._only_names = frozenset(graph.input_names)
 
     def run(self, inputs: dict, group=None) -> dict:
-        if self._only is not None and inputs.keys() == self._only_names:
-            return self._only.run(inputs, group)
+        if self.single_site is not None and inputs.keys() == self._only_names:
+            return self.single_site.run(inputs, group)
         missing = [n for n in self.graph.input_names if n not in inputs]
         if missing:
             raise ValueError(f"missing graph inputs: {missing}")

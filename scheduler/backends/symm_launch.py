@@ -46,14 +46,18 @@ class PreparedLaunch:
         self.launch = FastLaunch(kernel, grid, args, kwargs, per_call, enabled=fast)
         self.enabled = fast
 
+    def bound(self, tensors: list) -> bool:
+        """Whether `tensors` (by self.names) take the bound launch: the first call's dtype,
+        shapes and contiguity, with the fast path enabled."""
+        return (self.enabled and tensors[0].dtype is self.plan.dtype
+                and all(t.shape == s and t.is_contiguous()
+                        for t, s in zip(tensors, self.shapes)))
+
     def __call__(self, env: dict) -> dict:
         tensors = [env[name] for name in self.names]
-        x = tensors[0]
-        if x.dtype is not self.plan.dtype or not self.enabled:
+        if not self.bound(tensors):
             return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
-        for tensor, shape in zip(tensors, self.shapes):
-            if tensor.shape != shape or not tensor.is_contiguous():
-                return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
+        x = tensors[0]
         written = self.plan.allocate(x.device, x)
         self.launch(*tensors, *written.values())
         return self.plan.results(written)
