@@ -16,22 +16,29 @@ parameter sizes the driver reports (cuFuncGetParamInfo): the 0-2 trailing parame
 adds for its scratch memory must be the only difference, and the kernel must need no scratch.
 Anything else (the interpreter, hooks, scratch, clusters, another Triton) makes no record, and
 the Python path stays. The module is compiled once per machine (torch.utils.cpp_extension, in
-a background thread, so no rank stalls a collective on the compiler); until it is ready, or
-where it cannot be built, there simply are no records.
+a background thread, so no rank stalls a collective on the compiler; `infini-dist build` does
+it ahead of time); until it is ready, or where it cannot be built, there simply are no records.
+Builders take an flock, which dies with its holder, so a killed build never blocks a later one
+(torch's own lock file, which a killed builder leaves behind, would make the next wait forever).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import inspect
 import logging
 import os
 import struct
+import sys
 import threading
+import time
 
 import torch
 
 log = logging.getLogger("infini_dist")
 
+BUILD_TIMEOUT_S = 900.0  # a compile on a loaded machine; past it, the Python path stays
 MAX_RECORDS = 8192  # a serving job's token counts: one record per exact shape (~1 KB each)
 _INT_SIZES = {"i1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8,
               "u64": 8}
@@ -39,29 +46,77 @@ _state = {"module": None, "thread": None, "error": None, "cleared": 0}
 _lock = threading.Lock()
 
 
-def _build(cuda: bool):
+def build_directory(cuda: bool) -> str:
+    """Where the module is built: one folder per Python, torch and variant, so a machine's
+    builds for other versions never collide (INFINI_DIST_EXPRESS_DIR moves the root)."""
+    root = os.environ.get("INFINI_DIST_EXPRESS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "infini_dist", "express")
+    version = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}"
+    return os.path.join(root, version.replace("+", "_"), _name(cuda))
+
+
+def _name(cuda: bool) -> str:
+    return "infini_dist_express_" + ("cuda" if cuda else "cpu")
+
+
+@contextlib.contextmanager
+def _build_lock(directory: str, timeout_s: float):
+    """Held while this process builds or loads the module. An flock, not torch's lock file:
+    the kernel drops it when its holder dies, so a killed builder never blocks the next one.
+    Under it, torch's own lock file (`lock`, created by cpp_extension and left behind by a
+    builder that was killed) can only be stale, so it is removed."""
+    os.makedirs(directory, exist_ok=True)
+    with open(directory + ".flock", "a") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held the build lock of {directory} "
+                                       f"for over {timeout_s:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            stale = os.path.join(directory, "lock")
+            if os.path.exists(stale):
+                log.warning("infini_dist: removed %s, left by a build that was killed", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build(cuda: bool | None = None, timeout_s: float | None = None):
+    """Build (or load the cached build of) the C++ module in this thread and return it.
+    Raises where it cannot be built here (no compiler, no headers, another builder holding
+    the lock past `timeout_s`)."""
     from torch.utils import cpp_extension
-    source = os.path.join(os.path.dirname(__file__), "express.cpp")
-    return cpp_extension.load(
-        name="infini_dist_express_" + ("cuda" if cuda else "cpu"), sources=[source],
-        extra_cflags=["-O2"] + (["-DEXPRESS_WITH_CUDA"] if cuda else []), with_cuda=cuda,
-        verbose=False)
+    if cuda is None:
+        cuda = torch.version.cuda is not None and torch.cuda.is_available()
+    directory = build_directory(cuda)
+    with _build_lock(directory, BUILD_TIMEOUT_S if timeout_s is None else timeout_s):
+        return cpp_extension.load(
+            name=_name(cuda), sources=[os.path.join(os.path.dirname(__file__), "express.cpp")],
+            extra_cflags=["-O2"] + (["-DEXPRESS_WITH_CUDA"] if cuda else []), with_cuda=cuda,
+            build_directory=directory, verbose=False)
 
 
 def start(cuda: bool | None = None, wait: bool = False):
     """Build (or load the cached build of) the C++ module in a background thread, once;
-    `wait`: block until it is done. Returns the module, or None while it is not ready."""
-    if cuda is None:
-        cuda = torch.version.cuda is not None and torch.cuda.is_available()
+    `wait`: block until it is done. Returns the module, or None while it is not ready or
+    where it cannot be built (then one warning says why, and the Python path serves)."""
     with _lock:
         if _state["thread"] is None:
-            def build():
+            def run():
                 try:
-                    _state["module"] = _build(cuda)
-                except Exception as error:  # no compiler, no headers: the Python path stays
+                    _state["module"] = build(cuda)
+                except Exception as error:  # no compiler, no headers, a lock held too long
                     _state["error"] = error
-                    log.info("infini_dist: the eager ops' C++ path is off: %s", error)
-            _state["thread"] = threading.Thread(target=build, name="infini_dist-express",
+                    log.warning("infini_dist: the eager ops take the Python path: their C++ "
+                                "module could not be built (%s: %s)", type(error).__name__,
+                                str(error).strip().splitlines()[-1][:300] if str(error) else "")
+            _state["thread"] = threading.Thread(target=run, name="infini_dist-express",
                                                 daemon=True)
             _state["thread"].start()
     if wait:

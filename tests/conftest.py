@@ -20,10 +20,28 @@ def pytest_collection_modifyitems(config, items):
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "multigpu" in item.keywords and gpus < 2:
-            item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA GPUs"))
+        if "multigpu" in item.keywords:
+            if gpus < 2:
+                item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA GPUs"))
+            # One pytest-xdist worker runs every test that spans the GPUs, one at a time (with
+            # --dist loadgroup): two of them at once would time-slice each other's spinning
+            # kernels. Single-GPU tests spread over the other workers.
+            item.add_marker(pytest.mark.xdist_group("all_gpus"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(autouse=True)
+def spread_single_gpu_tests(request):
+    """Under pytest-xdist, a single-GPU test runs on GPU (worker index mod GPU count), so the
+    workers' tests share the cards instead of all queueing on cuda:0."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if "gpu" in request.keywords and "multigpu" not in request.keywords and \
+            worker.startswith("gw"):
+        import torch
+        if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+            torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
+    yield
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import signal
 import subprocess
 import sys
 import tempfile
@@ -126,16 +127,42 @@ def run_ranks(fn, world_size: int = 2, *args, cache_dir: str | None = None,
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} "
                                        f"did not finish within {timeout}s")
-        finally:
+        finally:  # ranks that have not reported (a timeout, a stopped test) are killed now
             for p in procs:
-                p.join(timeout=10)
+                p.join(timeout=10 if len(results) == world_size else 0)
                 if p.is_alive():
                     p.kill()
+                    p.join(timeout=10)
     errors = {r: v for r, (s, v) in results.items() if s == "error"}
     if errors:
         raise RuntimeError("rank failures:\n" + "\n".join(f"[rank {r}] {v}"
                                                           for r, v in sorted(errors.items())))
     return [pickle.loads(results[r][1]) if r in results else None for r in range(world_size)]
+
+
+def run_process(argv: list[str], *, timeout: float, env: dict | None = None,
+                cwd: str | None = None) -> subprocess.CompletedProcess:
+    """`argv` with its output captured, in a process group of its own: when `timeout` passes, or
+    the test is stopped (pytest-timeout, ^C), the whole group is killed, torchrun's ranks
+    included, so no rank outlives its test. A timeout raises subprocess.TimeoutExpired with the
+    output so far."""
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate()
+        raise
+    finally:  # a rank left behind by an agent that exited early
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def run_cli(tmp_path, *argv: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
@@ -145,5 +172,5 @@ def run_cli(tmp_path, *argv: str, timeout: float, **env: str) -> subprocess.Comp
                    INFINI_DIST_BENCHMARK_REPS="2", INFINI_DIST_BENCHMARK_WARMUP="1",
                    TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
                    TORCHINDUCTOR_COMPILE_THREADS="1", **env)
-    return subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", *argv], env=environ,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_process([sys.executable, "-m", "infini_dist.launch.cli", *argv], env=environ,
+                       timeout=timeout)

@@ -1,13 +1,14 @@
 import os
-import subprocess
 import sys
+
+from multirank import run_process
 
 
 def run_demo(cache_dir, *extra):
     env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache_dir), INFINI_DIST_BENCHMARK_REPS="3",
                TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"))
-    return subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "demo", "--nproc", "2",
-                           *extra], env=env, capture_output=True, text=True, timeout=300)
+    return run_process([sys.executable, "-m", "infini_dist.launch.cli", "demo", "--nproc", "2",
+                        *extra], env=env, timeout=240)
 
 
 def test_demo_tunes_then_hits_the_cache(tmp_path):

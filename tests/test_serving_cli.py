@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 from infini_dist.launch import cache_cli, cli
+from multirank import run_process
 from infini_dist.scheduler.cache import DECISIONS
 
 
@@ -16,11 +16,11 @@ def test_tune_then_list_show_and_clear(tmp_path, capsys, isolated_cache):
     cache = isolated_cache  # config.cache_dir: what the CLI reads without --cache-dir
     env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache), INFINI_DIST_BENCHMARK_REPS="2",
                INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"))
-    done = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "tune", "--nproc", "2",
-                           "--model", "tp_decoder", "--tokens", "3,5,8", "--hidden", "16",
-                           "--mlp", "32", "--heads", "4", "--kv-heads", "2",
-                           "--backend", "infini_dist"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = run_process([sys.executable, "-m", "infini_dist.launch.cli", "tune", "--nproc", "2",
+                        "--model", "tp_decoder", "--tokens", "3,5,8", "--hidden", "16",
+                        "--mlp", "32", "--heads", "4", "--kv-heads", "2",
+                        "--backend", "infini_dist"],
+                        env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     # 3 and 5, 8 fall in two buckets (4 and 8): each site is tuned once per bucket, on rank 0's
     # bar, and the two equal sites of the layer share their decisions.
@@ -75,10 +75,10 @@ def test_tune_hf_family_from_its_config(tmp_path):
     env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache), INFINI_DIST_BENCHMARK_REPS="2",
                INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
                TORCHINDUCTOR_COMPILE_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-m", "infini_dist.launch.cli", "tune", "--nproc", "2",
-                           "--hf", "llama", "--tokens", "3,5", "--layers", "1", "--hidden", "64",
-                           "--mlp", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "256"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = run_process([sys.executable, "-m", "infini_dist.launch.cli", "tune", "--nproc", "2",
+                        "--hf", "llama", "--tokens", "3,5", "--layers", "1", "--hidden", "64",
+                        "--mlp", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "256"],
+                        env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     records = [json.loads(p.read_text()) for p in cache.glob("*.json")]
     # embedding all_reduce -> input norm, o_proj -> add + norm, down_proj -> add + final norm:
