@@ -55,7 +55,9 @@ def first_row(pid, owner, rows, programs):
     return (pid - owner * rows % programs + programs) % programs
 
 
-@triton.jit(do_not_specialize=["rank", "timeout_ns"])
+# `rows` is never specialized: Triton makes an int argument equal to 1 a constexpr, which has
+# no .to() (a one-row shard failed to compile on GPUs; the interpreter does not specialize)
+@triton.jit(do_not_specialize=["rows", "rank", "timeout_ns"])
 def one_shot_scatter_gather_kernel(
         x_ptr, prologue, epilogue, data_table, signal_table, epoch_ptr, rows, slot_stride,
         residual_stride, half_stride, rank, timeout_ns, PROLOGUE: tl.constexpr,

@@ -45,7 +45,9 @@ from infini_dist.kernels.symm_device import DEFAULT_TUNING, apply_prologue, fini
 from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
-@triton.jit(do_not_specialize=["rank", "timeout_ns"])
+# `rows` is never specialized: Triton makes an int argument equal to 1 a constexpr, which has
+# no .to() (a one-row shard failed to compile on GPUs; the interpreter does not specialize)
+@triton.jit(do_not_specialize=["rows", "rank", "timeout_ns"])
 def reduce_scatter_all_gather_kernel(
         x_ptr, prologue, epilogue, gathered_ptr, data_table, signal_table, rows, gather_offset,
         rank, timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ROW: tl.constexpr,

@@ -101,8 +101,10 @@ def check_engine(ctx, dtype=torch.bfloat16):
         got, record = tuned(graph, local, f"{tokens}x{k}->4096")
         check(any(c.startswith("gemm_one_shot") for c in record["candidates"]),
               f"engine {tokens}x{k}: gemm_one_shot did not survive: {record['candidates']}")
+        # the graph holds the GEMM: whichever choice commits, its sums run in another order
+        # than the float64 reference's (an unfused choice also rounds each rank's product)
         error = max_error(got, reference(graph, everyone, ctx.rank))
-        check(error <= TOLERANCE[dtype], f"engine {tokens}x{k}: error {error:.3g}")
+        check(error <= tolerance(dtype), f"engine {tokens}x{k}: error {error:.3g}")
 
 
 def main():

@@ -1,7 +1,7 @@
 """Every chain step and every norm of the op specs through each symmetric-memory kernel's plain
 callable, on real GPUs, at any world size (one GPU is enough):
 
-    torchrun --nproc-per-node=1 tests/gpu_symm_every_step.py
+    torchrun --standalone --nproc-per-node=1 tests/gpu_symm_every_step.py [KERNEL ...]
 
 The Triton interpreter on the CPU runs the generated per-spec device code, but only the GPU
 compiler shows what it rejects or miscompiles, and the engine offers these kernels only from two
@@ -131,7 +131,12 @@ def quant_cases(x, generator):
                    lambda y: F.silu(y))
 
 
-def main() -> int:
+def main(names) -> int:
+    """`names`: the kernels to check (all when empty); the test runs one per process, so their
+    compiles, most of the time here, run side by side."""
+    unknown = set(names) - set(KERNELS)
+    if unknown:
+        raise SystemExit(f"unknown kernels {sorted(unknown)}: known are {sorted(KERNELS)}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
@@ -139,6 +144,8 @@ def main() -> int:
     # each (dtype, shape) compiles every kernel once per case: two pairs keep it near 2 minutes
     for dtype, shape in ((torch.float32, (3, 4096)), (torch.bfloat16, (5, 1000))):
         for kernel_name, kernel in KERNELS.items():
+            if names and kernel_name not in names:
+                continue
             same = torch.Generator(device="cuda").manual_seed(7)
             inputs = [torch.randn(shape, generator=torch.Generator(device="cuda")
                                   .manual_seed(100 + r), device="cuda").to(dtype)
@@ -181,4 +188,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -5,15 +5,16 @@
   mapping exactly as on GPUs. Program b of every rank runs in the same order, so the barriers
   work in the interpreter as on the device. Each case goes through the engine's algorithm (from
   the registry) and, for two patterns, through the kernel file's plain callable.
-- On GPUs (`run_gpu_worker`): tests/gpu_symm_worker.py under torchrun.
+- On GPUs (`run_gpu_report`): tests/gpu_symm_worker.py under torchrun, once per session for
+  every kernel's GPU test.
 
 Algorithms are looked up in the engine's registry by the kernel they launch, never by name.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -22,7 +23,7 @@ from infini_dist.kernels.symm_device import DEFAULT_TUNING
 from infini_dist.scheduler.backends.symm import plan_span
 from infini_dist.scheduler.backends.symm_launch import tuning_of
 from infini_dist.scheduler.choices import RunContext, algorithms_for
-from multirank import SAFE_GPU_ENV, run_ranks
+from multirank import SAFE_GPU_ENV, run_process, run_ranks
 from symm_cases import (RSTD_TOLERANCE, TRAIN, build, digest, full_span, make_inputs,
                         max_error, meta_of, reference, rstd_error)
 
@@ -224,18 +225,43 @@ def run_with_a_late_rank(monkeypatch, kernel) -> None:
         assert len({bits for _, bits in results}) == 1, (call, "ranks differ")
 
 
-def run_on_gpus(tmp_path, kernel) -> None:
-    """tests/gpu_symm_worker.py for `kernel`'s algorithm alone."""
-    run_gpu_worker(tmp_path, "--quick", "--only", algorithm_of(kernel).name)
+def run_gpu_report(tmp_path) -> dict:
+    """tests/gpu_symm_worker.py once, every algorithm and the engine (conftest's session fixture
+    `symm_gpu_report`): one torchrun, one process group and one set of compiled kernels for
+    every per-kernel GPU test, instead of a torchrun each. Holds the run's output, and the
+    report where the worker got to write it (a trapped kernel ends the run)."""
+    report = os.path.join(str(tmp_path), "report.json")
+    done = run_gpu_worker(tmp_path, "--quick", "--report", report, check=False)
+    found = None
+    if os.path.exists(report):
+        with open(report) as handle:
+            found = json.load(handle)
+    return {"report": found, "output": done.stdout[-4000:] + done.stderr[-4000:],
+            "returncode": done.returncode}
 
 
-def run_gpu_worker(tmp_path, *arguments):
-    """tests/gpu_symm_worker.py under torchrun on up to 4 GPUs; it must print ALL OK."""
+def check_gpu_section(run: dict, name: str) -> None:
+    """The shared GPU run's checks of `name` (an algorithm, or "engine") all passed."""
+    report = run["report"]
+    assert report is not None, f"the GPU worker ended without a report:\n{run['output']}"
+    assert name in report["ran"], (name, report["ran"])
+    assert not report["failures"].get(name), "\n".join(report["failures"][name])
+
+
+def run_on_gpus(run: dict, kernel) -> None:
+    """tests/gpu_symm_worker.py's checks of `kernel`'s algorithm, from the shared run."""
+    check_gpu_section(run, algorithm_of(kernel).name)
+
+
+def run_gpu_worker(tmp_path, *arguments, check: bool = True):
+    """tests/gpu_symm_worker.py under torchrun on up to 4 GPUs; `check`: it must print ALL OK."""
     gpus = torch.cuda.device_count()
     env = dict(os.environ, **SAFE_GPU_ENV, INFINI_DIST_CACHE_DIR=str(tmp_path / "cache"))
     worker = os.path.join(os.path.dirname(__file__), "gpu_symm_worker.py")
-    done = subprocess.run(["timeout", "500", sys.executable, "-m", "torch.distributed.run",
-                           f"--nproc-per-node={min(gpus, 4)}", worker, *arguments],
-                          env=env, capture_output=True, text=True, timeout=560)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "ALL OK" in done.stdout
+    done = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={min(gpus, 4)}", worker, *arguments], env=env,
+                       timeout=280)
+    if check:
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        assert "ALL OK" in done.stdout
+    return done

@@ -41,16 +41,18 @@ def test_bad_input_raises_before_launch(x, options, message):
 
 
 @pytest.mark.gpu
-def test_every_step_and_norm_on_gpu():
-    """Each spec'd chain step and norm compiled by the GPU compiler in every kernel: one GPU
-    suffices (tests/gpu_symm_every_step.py; the engine offers the kernels from two GPUs up)."""
-    import subprocess
+@pytest.mark.parametrize("kernel", ["one_shot", "two_shot", "two_shot_polled_gather",
+                                    "lamport_one_shot", "lamport_two_shot"])
+def test_every_step_and_norm_on_gpu(kernel):
+    """Each spec'd chain step and norm compiled by the GPU compiler in `kernel`: one GPU
+    suffices (tests/gpu_symm_every_step.py; the engine offers the kernels from two GPUs up). One
+    kernel per test, so that pytest-xdist runs their compiles side by side."""
     import sys
     worker = os.path.join(os.path.dirname(__file__), "gpu_symm_every_step.py")
-    from multirank import SAFE_GPU_ENV
+    from multirank import SAFE_GPU_ENV, run_process
     env = dict(os.environ, **SAFE_GPU_ENV)
-    done = subprocess.run(["timeout", "400", sys.executable, "-m", "torch.distributed.run",
-                           f"--nproc-per-node={min(torch.cuda.device_count(), 2)}", worker],
-                          env=env, capture_output=True, text=True, timeout=450)
+    done = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={min(torch.cuda.device_count(), 2)}", worker, kernel],
+                       env=env, timeout=280)
     assert done.returncode == 0 and "ALL OK" in done.stdout, \
         done.stdout[-4000:] + done.stderr[-4000:]

@@ -9,14 +9,13 @@ are covered. On GPUs: tests/gpu_gemm_worker.py (fp32 reference, ranks identical,
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from gemm_cases import PATTERNS, make_inputs, meta_of, widen_interpreted_bf16_dot
-from multirank import SAFE_GPU_ENV, run_ranks
+from multirank import SAFE_GPU_ENV, run_process, run_ranks
 from symm_cases import digest, full_span, max_error, reference
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -203,8 +202,7 @@ def test_on_gpus(tmp_path):
     gpus = torch.cuda.device_count()
     env = dict(os.environ, **SAFE_GPU_ENV, INFINI_DIST_CACHE_DIR=str(tmp_path / "cache"))
     worker = os.path.join(os.path.dirname(__file__), "gpu_gemm_worker.py")
-    done = subprocess.run(["timeout", "500", sys.executable, "-m", "torch.distributed.run",
-                           f"--nproc-per-node={min(gpus, 4)}", worker],
-                          env=env, capture_output=True, text=True, timeout=560)
+    done = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={min(gpus, 4)}", worker], env=env, timeout=280)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "ALL OK" in done.stdout
