@@ -1,14 +1,12 @@
 """GPU checks of the symmetric-memory kernels, one process per GPU:
 
     timeout 300 torchrun --standalone --nproc-per-node=2 tests/gpu_symm_worker.py [--quick]
-        [--only NAME|engine] [--report FILE]
+        [--only NAME|engine]
 
 Per kernel, pattern, shape and dtype: compile (scratch warm-up), three eager calls with fresh
 inputs against the unfused reference, bitwise equality across ranks; then CUDA-graph capture and
 replays with new inputs, back-to-back launches of different grids on one buffer, the kernel as
-a plain callable (symm_call.SymmKernel), and the engine end to end. Prints 'ALL OK' last when everything passed; exits non-zero otherwise. `--report FILE`: rank 0 also writes
-which sections ran (each algorithm by name, and "engine") and every rank's failures by section,
-so one run serves every per-kernel GPU test (tests/symm_runs.py).
+a plain callable (symm_call.SymmKernel), and the engine end to end. Prints 'ALL OK' last when everything passed; exits non-zero otherwise.
 """
 
 from __future__ import annotations
@@ -35,20 +33,12 @@ from infini_dist.scheduler.choices import RunContext  # noqa: E402
 from symm_runs import CALLABLE_CASES, by_callable, symm_algorithms  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 4e-3}
-failures = []   # (section, message)
-section = ["setup"]  # what the checks running now belong to: an algorithm's name, or "engine"
-sections_run = []
-
-
-def enter(name: str) -> None:
-    section[0] = name
-    if name not in sections_run:
-        sections_run.append(name)
+failures = []
 
 
 def check(condition, message):
     if not condition:
-        failures.append((section[0], message))
+        failures.append(message)
         print(f"[rank {dist.get_rank()}] FAIL {message}", flush=True)
 
 
@@ -179,7 +169,6 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--only", help="one registered symm algorithm by name, or 'engine'")
-    parser.add_argument("--report", help="rank 0 writes sections run and failures (JSON)")
     args = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -195,7 +184,6 @@ def main():
     shapes = [(1, 4096), (7, 4096), (3, 4095)] if args.quick else \
         [(1, 4096), (7, 4096), (128, 4096), (3, 4095), (5, 200), (1000, 1024)]
     for algorithm in algorithms:
-        enter(algorithm.name)
         for pattern in PATTERNS:
             for shape in shapes:
                 check_eager(algorithm, pattern, shape, torch.bfloat16, ctx)
@@ -208,18 +196,15 @@ def main():
         check_mixed_grids(algorithm, ctx)
         check_callable(algorithm, ctx)
     for algorithm in algorithms:
-        enter(algorithm.name)
         if algorithm.name in big:
             check_eager(algorithm, "add_rms_norm", big[algorithm.name], torch.bfloat16, ctx)
             check_eager(algorithm, TRAIN, big[algorithm.name], torch.bfloat16, ctx)
     if args.only in (None, "engine"):
-        enter("engine")
         check_engine(ctx)
     two_shot = registered["two_shot"]
     if two_shot in algorithms:
         # Last, since a failure traps the process: two-shot in rounds (phase 3 of a round
         # beside phase 2 of the next), rows and chunks.
-        enter(two_shot.name)
         rounds = dataclasses.replace(
             ctx, settings=dataclasses.replace(ctx.settings, symm_round_items=4))
         check_eager(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, rounds)
@@ -227,23 +212,12 @@ def main():
         check_graph_replay(two_shot, "add_rms_norm", (1000, 1024), torch.bfloat16, rounds)
     if rank == 0:
         print("buffers:", symm_buffers.cached_buffers(), flush=True)
-    report_and_exit(args.report)
+    report_and_exit()
 
 
-def report_and_exit(report=None):
-    """'ALL OK' on rank 0 where every check passed on every rank; the exit status says it.
-    `report`: rank 0 writes every rank's failures by section, and the sections run."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failures)
-    ok = not any(everyone)
-    if report and dist.get_rank() == 0:
-        import json
-        by_section = {}
-        for rank, theirs in enumerate(everyone):
-            for name, message in theirs:
-                by_section.setdefault(name, []).append(f"[rank {rank}] {message}")
-        with open(report, "w") as handle:
-            json.dump({"ran": sections_run, "failures": by_section}, handle)
+def report_and_exit():
+    """'ALL OK' on rank 0 where every check passed on every rank; the exit status says it."""
+    ok = same_everywhere(not failures) and not failures
     dist.barrier()
     if dist.get_rank() == 0:
         print("ALL OK" if ok else f"FAILED ({len(failures)} on rank 0)", flush=True)

@@ -5,15 +5,13 @@
   mapping exactly as on GPUs. Program b of every rank runs in the same order, so the barriers
   work in the interpreter as on the device. Each case goes through the engine's algorithm (from
   the registry) and, for two patterns, through the kernel file's plain callable.
-- On GPUs (`run_gpu_report`): tests/gpu_symm_worker.py under torchrun, once per session for
-  every kernel's GPU test.
+- On GPUs (`run_gpu_worker`): tests/gpu_symm_worker.py under torchrun.
 
 Algorithms are looked up in the engine's registry by the kernel they launch, never by name.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -225,43 +223,19 @@ def run_with_a_late_rank(monkeypatch, kernel) -> None:
         assert len({bits for _, bits in results}) == 1, (call, "ranks differ")
 
 
-def run_gpu_report(tmp_path) -> dict:
-    """tests/gpu_symm_worker.py once, every algorithm and the engine (conftest's session fixture
-    `symm_gpu_report`): one torchrun, one process group and one set of compiled kernels for
-    every per-kernel GPU test, instead of a torchrun each. Holds the run's output, and the
-    report where the worker got to write it (a trapped kernel ends the run)."""
-    report = os.path.join(str(tmp_path), "report.json")
-    done = run_gpu_worker(tmp_path, "--quick", "--report", report, check=False)
-    found = None
-    if os.path.exists(report):
-        with open(report) as handle:
-            found = json.load(handle)
-    return {"report": found, "output": done.stdout[-4000:] + done.stderr[-4000:],
-            "returncode": done.returncode}
+def run_on_gpus(tmp_path, kernel) -> None:
+    """tests/gpu_symm_worker.py for `kernel`'s algorithm alone: one torchrun per kernel, so that
+    pytest-xdist runs the kernels' compiles side by side."""
+    run_gpu_worker(tmp_path, "--quick", "--only", algorithm_of(kernel).name)
 
 
-def check_gpu_section(run: dict, name: str) -> None:
-    """The shared GPU run's checks of `name` (an algorithm, or "engine") all passed."""
-    report = run["report"]
-    assert report is not None, f"the GPU worker ended without a report:\n{run['output']}"
-    assert name in report["ran"], (name, report["ran"])
-    assert not report["failures"].get(name), "\n".join(report["failures"][name])
-
-
-def run_on_gpus(run: dict, kernel) -> None:
-    """tests/gpu_symm_worker.py's checks of `kernel`'s algorithm, from the shared run."""
-    check_gpu_section(run, algorithm_of(kernel).name)
-
-
-def run_gpu_worker(tmp_path, *arguments, check: bool = True):
-    """tests/gpu_symm_worker.py under torchrun on up to 4 GPUs; `check`: it must print ALL OK."""
+def run_gpu_worker(tmp_path, *arguments):
+    """tests/gpu_symm_worker.py under torchrun on up to 4 GPUs; it must print ALL OK."""
     gpus = torch.cuda.device_count()
     env = dict(os.environ, **SAFE_GPU_ENV, INFINI_DIST_CACHE_DIR=str(tmp_path / "cache"))
     worker = os.path.join(os.path.dirname(__file__), "gpu_symm_worker.py")
     done = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={min(gpus, 4)}", worker, *arguments], env=env,
                        timeout=280)
-    if check:
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-        assert "ALL OK" in done.stdout
-    return done
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "ALL OK" in done.stdout

@@ -18,7 +18,7 @@ from infini_dist.scheduler.backends.symm_launch import tuning_of
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, generate_choices
 from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
 from symm_cases import PATTERNS, RSTD, TRAIN, build, full_span, meta_of
-from symm_runs import algorithm_of, check_gpu_section, run_interpreted, symm_algorithms
+from symm_runs import algorithm_of, run_gpu_worker, run_interpreted, symm_algorithms
 
 CUDA4 = RunContext(None, 4, 1, torch.device("cuda", 1))
 
@@ -224,6 +224,6 @@ def test_every_kernel_interpreted_eight_ranks(monkeypatch):
 
 
 @pytest.mark.multigpu
-def test_engine_picks_a_symm_kernel_on_gpus(symm_gpu_report):
+def test_engine_picks_a_symm_kernel_on_gpus(tmp_path):
     # Each kernel on GPUs: tests/test_symm_<kernel>.py; here the engine end to end.
-    check_gpu_section(symm_gpu_report, "engine")
+    run_gpu_worker(tmp_path, "--quick", "--only", "engine")

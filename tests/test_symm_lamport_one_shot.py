@@ -12,5 +12,5 @@ def test_interpreted_three_ranks(monkeypatch):
 
 
 @pytest.mark.multigpu
-def test_on_gpus(symm_gpu_report):
-    run_on_gpus(symm_gpu_report, lamport_one_shot_all_reduce)
+def test_on_gpus(tmp_path):
+    run_on_gpus(tmp_path, lamport_one_shot_all_reduce)

@@ -19,5 +19,5 @@ def test_interpreted_two_ranks_many_items(monkeypatch):
 
 
 @pytest.mark.multigpu
-def test_on_gpus(symm_gpu_report):
-    run_on_gpus(symm_gpu_report, kernel)
+def test_on_gpus(tmp_path):
+    run_on_gpus(tmp_path, kernel)

@@ -17,5 +17,5 @@ def test_interpreted_two_ranks(monkeypatch):
 
 
 @pytest.mark.multigpu
-def test_on_gpus(symm_gpu_report):
-    run_on_gpus(symm_gpu_report, one_shot_all_reduce)
+def test_on_gpus(tmp_path):
+    run_on_gpus(tmp_path, one_shot_all_reduce)

@@ -38,5 +38,5 @@ def test_a_late_rank_keeps_its_output_when_peers_start_a_bigger_call(monkeypatch
 
 
 @pytest.mark.multigpu
-def test_on_gpus(symm_gpu_report):
-    run_on_gpus(symm_gpu_report, two_shot_all_reduce)
+def test_on_gpus(tmp_path):
+    run_on_gpus(tmp_path, two_shot_all_reduce)

@@ -20,5 +20,5 @@ def test_interpreted_in_groups(monkeypatch):
 
 
 @pytest.mark.multigpu
-def test_on_gpus(symm_gpu_report):
-    run_on_gpus(symm_gpu_report, kernel)
+def test_on_gpus(tmp_path):
+    run_on_gpus(tmp_path, kernel)
