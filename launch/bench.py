@@ -26,7 +26,6 @@ CPU ranks (no graphs, no symmetric memory) to check the script itself.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -39,8 +38,10 @@ import infini_dist
 from infini_dist.scheduler.choices import RunContext, native_choice
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.launch import shutdown
-from infini_dist.launch.bench_patterns import (EPS, FP8_SCALE, dequantized, eager_epilogue,
-                                               make_inputs, pattern_graph)
+from infini_dist.launch.arguments import (names, nonempty_ints, nonnegative_float, parse,
+                                          positive_int)
+from infini_dist.launch.bench_patterns import (EPS, FP8_SCALE, PATTERNS, dequantized,
+                                               eager_epilogue, make_inputs, pattern_graph)
 from infini_dist.launch.peers_flashinfer import engine_vs_flashinfer, open_peers as open_flashinfer
 
 class Timer:
@@ -281,27 +282,34 @@ def plot(rows, patterns, path):
     return True
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", default="1,16,128,1024,8192")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--patterns", default="add_rms_norm,add_rms_norm_fp8,"
-                        "add_rms_norm_fp8_token,relu_scale,swiglu")
-    parser.add_argument("--dtype", default="bfloat16")
+def add_arguments(parser):
+    parser.add_argument("--tokens", type=nonempty_ints, default="1,16,128,1024,8192",
+                        help="token counts, comma-separated")
+    parser.add_argument("--hidden", type=positive_int, default=4096)
+    parser.add_argument("--patterns", type=names(PATTERNS), default=",".join(PATTERNS),
+                        help=f"comma-separated, among {','.join(PATTERNS)}")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        default="bfloat16")
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--trials", type=positive_int, default=5)
+    parser.add_argument("--replays", type=positive_int, default=20)
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--no-compile-peer", dest="compile_peer", action="store_false")
     parser.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
                         help="skip the FlashInfer peer (its first use JIT-builds for minutes)")
     parser.add_argument("--no-native-inductor", dest="native_inductor", action="store_false")
-    parser.add_argument("--noise", type=float, default=0.05,
+    parser.add_argument("--noise", type=nonnegative_float, default=0.05,
                         help="how far above native the engine row may be before it is listed")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo CPU ranks, float32")
-    args = parser.parse_args(argv)
-    tokens = [int(t) for t in args.tokens.split(",")]
-    patterns = args.patterns.split(",")
+
+
+def finish(parser, args, world):
+    """No rule between the sweep's flags: every value is checked by its type."""
+
+
+def main(argv=None):
+    args = parse(argv, add_arguments, finish, description=__doc__.split("\n")[0])
+    tokens, patterns = args.tokens, args.patterns
     if args.cpu_smoke:
         device = torch.device("cpu")
         args.dtype = "float32"

@@ -40,7 +40,6 @@ prefill) is reported, not enforced.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import inspect
@@ -54,6 +53,8 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.launch import shutdown
+from infini_dist.launch.arguments import (add_decode_shapes, add_model_sizes, names, parse,
+                                          positive_float, positive_int, positive_ints)
 from infini_dist.launch.bench_model import Bench, run_meta, run_shape, setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.model_report import VARIANTS, plot, print_details, summary
@@ -259,68 +260,53 @@ def bench_family(bench: Bench, family: str, args, device, dtype, control) -> lis
 
 # ---- main -----------------------------------------------------------------------------------------
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hf", default=",".join(FAMILIES), dest="families",
+def add_arguments(parser):
+    parser.add_argument("--hf", type=names(tuple(FAMILIES)), default=",".join(FAMILIES),
+                        dest="families", metavar="FAMILY[,FAMILY]",
                         help=f"comma-separated families among {','.join(FAMILIES)}")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--mlp", type=int, default=14336)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--context", type=int, default=1024,
-                        help="positions in the static KV cache before the decode step")
-    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes ('' for none)")
-    parser.add_argument("--prefill", default="1024,2048", help="prefill lengths ('' for none)")
-    parser.add_argument("--iters", type=int, default=100,
+    add_model_sizes(parser, layers=4, vocab=32000)
+    add_decode_shapes(parser, batches="1,8,32")
+    parser.add_argument("--prefill", type=positive_ints, default="1024,2048",
+                        help="prefill lengths ('' for none)")
+    parser.add_argument("--iters", type=positive_int, default=100,
                         help="timed calls per variant and shape, one variant after the other")
-    parser.add_argument("--rounds", type=int, default=10,
+    parser.add_argument("--rounds", type=positive_int, default=10,
                         help="interleaved rounds of the compiled variants (their reported times)")
-    parser.add_argument("--round-calls", type=int, default=50, help="calls per variant and round")
+    parser.add_argument("--round-calls", type=positive_int, default=50,
+                        help="calls per variant and round")
     parser.add_argument("--profile", action="store_true",
                         help="torch.profiler view of 3 decode steps per compiled variant")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", type=names(VARIANTS), default=",".join(VARIANTS),
+                        help=f"comma-separated, among {','.join(VARIANTS)}")
     parser.add_argument("--mode", default=None, choices=["default", "reduce-overhead",
                                                          "max-autotune"],
                         help="torch.compile mode of both compiled variants (default: "
                              "reduce-overhead on GPU, default with --cpu-smoke)")
     # bf16 logits of 4 random layers: plain Inductor against eager is the yardstick.
-    parser.add_argument("--tol", type=float, default=None,
+    parser.add_argument("--tol", type=positive_float, default=None,
                         help="max relative L2 error of the logits vs eager (default 5e-2 bf16, "
                              "1e-4 fp32)")
     parser.add_argument("--out", default="bench_hf_out")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="gloo CPU ranks, float32, no CUDA graphs: checks the script itself")
-    args = parser.parse_args(argv)
-    args.families = [f.strip() for f in args.families.split(",") if f.strip()]
-    if not args.families or set(args.families) - set(FAMILIES):
-        parser.error(f"--hf: choose among {','.join(FAMILIES)}, got {args.families}")
-    requested = [v.strip() for v in args.variants.split(",") if v.strip()]
-    args.variants = [v for v in VARIANTS if v in requested]
-    if set(requested) - set(VARIANTS) or not args.variants:
-        parser.error(f"--variants: choose among {','.join(VARIANTS)}, got {requested}")
-    args.batches, args.prefill = _ints(args.batches), _ints(args.prefill)
-    if min(args.iters, args.rounds, args.round_calls, args.context,
-           *args.batches, *args.prefill) < 1:
-        parser.error("need --iters, --rounds, --round-calls, --context, batch sizes and "
-                     "prefill lengths >= 1")
+
+
+def finish(parser, args, world):
+    args.variants = [v for v in VARIANTS if v in args.variants]  # the report's order
     args.shapes = [Shape("decode", b, 1) for b in args.batches] + \
         [Shape("prefill", 1, t) for t in args.prefill]
     if not args.shapes:
         parser.error("no shape: give --batches or --prefill")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before any rank joins a group
     if args.heads % args.kv_heads or args.kv_heads % world or args.mlp % world:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}, "
                      f"and --kv-heads and --mlp {args.mlp} divisible by {world} ranks")
     args.mode = args.mode or ("default" if args.cpu_smoke else "reduce-overhead")
     if args.tol is None:
         args.tol = 1e-4 if args.cpu_smoke else 5e-2
-    return args
+
+
+def parse_args(argv=None):
+    return parse(argv, add_arguments, finish, description=__doc__.split("\n")[0])
 
 
 def main(argv=None) -> int:

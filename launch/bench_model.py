@@ -33,7 +33,6 @@ against the target (>= 1.15x over inductor at decode batch <= 16, never slower),
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -45,6 +44,9 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.launch import shutdown
+from infini_dist.launch.arguments import (add_decode_shapes, add_model_sizes, names,
+                                          nonnegative_int, parse, positive_float, positive_int,
+                                          usage_error)
 from infini_dist.launch.model_report import (PREFILL_TARGET, VARIANTS, plot, print_details,
                                              summarize, summary)
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_shapes, make_inputs
@@ -264,21 +266,18 @@ def run_shape(bench: Bench, shape: Shape, calls: dict) -> list[dict]:
 
 # ---- main -----------------------------------------------------------------------------------------
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--mlp", type=int, default=14336)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--context", type=int, default=1024, help="KV cache length for decode")
-    parser.add_argument("--batches", default="1,4,16,64", help="decode batch sizes ('' for none)")
-    parser.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: none)")
-    parser.add_argument("--iters", type=int, default=50, help="timed steps per variant and shape")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+def add_arguments(parser):
+    add_model_sizes(parser, layers=8)
+    add_decode_shapes(parser, batches="1,4,16,64")
+    parser.add_argument("--prefill", type=nonnegative_int, default=2048,
+                        help="prefill tokens (0: none)")
+    parser.add_argument("--iters", type=positive_int, default=50,
+                        help="timed steps per variant and shape")
+    parser.add_argument("--variants", type=names(VARIANTS), default=",".join(VARIANTS),
+                        help=f"comma-separated, among {','.join(VARIANTS)}")
     # Two correct bf16 runs of 8 layers differ by ~1.5e-2 (Inductor vs eager, measured on CPU);
     # a lost residual, weight or rank's share shows as 0.3 and more.
-    parser.add_argument("--tol", type=float, default=None,
+    parser.add_argument("--tol", type=positive_float, default=None,
                         help="max relative L2 error vs eager (default 5e-2 bf16, 1e-4 fp32)")
     parser.add_argument("--matmul-prologue", action="store_true",
                         help="the pass also takes each row-parallel matmul into its site "
@@ -287,24 +286,19 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="bench_model_out")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="gloo CPU ranks, float32, eager timing: checks the script itself")
-    args = parser.parse_args(argv)
-    args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    requested = [v.strip() for v in args.variants.split(",") if v.strip()]
-    args.variants = [v for v in VARIANTS if v in requested]
-    if set(requested) - set(VARIANTS) or not args.variants:
-        parser.error(f"--variants: choose among {','.join(VARIANTS)}, got {requested}")
-    if args.iters < 1 or min(args.batches, default=1) < 1 or args.prefill < 0:
-        parser.error("need --iters >= 1, batch sizes >= 1 and --prefill >= 0")
+
+
+def finish(parser, args, world):
+    args.variants = [v for v in VARIANTS if v in args.variants]  # the report's order
     if args.tol is None:
         args.tol = 1e-4 if args.cpu_smoke else 5e-2
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # checked before any rank joins a group
     args.model = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads,
                              args.context)
-    try:
-        check_shapes(args.model, world)
-    except ValueError as error:
-        parser.error(str(error))
-    return args
+    usage_error(parser, check_shapes, args.model, world)
+
+
+def parse_args(argv=None):
+    return parse(argv, add_arguments, finish, description=__doc__.split("\n")[0])
 
 
 def setup(args):

@@ -12,6 +12,7 @@ from infini_dist.scheduler.ir import OpNode, SubGraph
 EPS = 1e-6
 SCALE = 0.5
 FP8_SCALE = 0.05  # a static per-tensor scale: normed values of a few units use e4m3's range
+PATTERNS = ("add_rms_norm", "add_rms_norm_fp8", "add_rms_norm_fp8_token", "relu_scale", "swiglu")
 
 
 def pattern_graph(pattern: str) -> SubGraph:

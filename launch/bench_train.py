@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from infini_dist.launch import shutdown
+from infini_dist.launch.arguments import (add_model_sizes, names, nonempty_ints, nonnegative_int,
+                                          parse, positive_float, positive_int, usage_error)
 from infini_dist.launch.bench_model import setup
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 
@@ -178,40 +180,38 @@ def table(rows: list, verdicts: list) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="infini-dist bench --train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser):
     parser.add_argument("--out", default="bench_train_out")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tokens", default="2048,8192", help="tokens per step, comma-separated")
-    parser.add_argument("--variants", default="inductor,infini_dist",
+    parser.add_argument("--tokens", type=nonempty_ints, default="2048,8192",
+                        help="tokens per step, comma-separated")
+    parser.add_argument("--variants", type=names(VARIANTS), default="inductor,infini_dist",
                         help=f"comma-separated, among {','.join(VARIANTS)} (inductor always runs)")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=5, help="untimed first steps")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--tol", type=float, default=None,
+    parser.add_argument("--steps", type=positive_int, default=50)
+    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed first steps")
+    parser.add_argument("--lr", type=positive_float, default=1e-4)
+    parser.add_argument("--tol", type=positive_float, default=None,
                         help="loss curves' max relative difference (default 2e-2 bf16, 1e-4 fp32)")
     parser.add_argument("--one-rank-symm", action="store_true",
                         help="offer the symmetric-memory kernels at one rank (one GPU: the "
                              "pass's device-side cost without communication)")
-    for flag, default in (("layers", 4), ("hidden", 4096), ("mlp", 14336), ("heads", 32),
-                          ("kv-heads", 8)):
-        parser.add_argument(f"--{flag}", type=int, default=default)
-    args = parser.parse_args(argv)
-    try:
-        args.tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        parser.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
-    if min(args.tokens) <= 0 or args.steps <= args.warmup or args.warmup < 0:
-        parser.error("--tokens must be positive and --steps greater than --warmup >= 0")
-    requested = set(args.variants.split(",")) | {"inductor"}
-    if requested - set(VARIANTS):
-        parser.error(f"--variants: choose among {','.join(VARIANTS)}, got {args.variants!r}")
-    args.variants = [v for v in VARIANTS if v in requested]
+    add_model_sizes(parser, layers=4)
+
+
+def finish(parser, args, world):
+    if args.steps <= args.warmup:
+        parser.error("--steps must be greater than --warmup")
+    args.variants = [v for v in VARIANTS if v in {*args.variants, "inductor"}]
     args.model = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads,
                              context=max(args.tokens))
+    usage_error(parser, check_shapes, args.model, world)
     args.cpu_smoke = args.device == "cpu"  # bench_model.setup: gloo, float32
-    if args.one_rank_symm:
+
+
+def parse_args(argv=None):
+    args = parse(argv, add_arguments, finish, prog="infini-dist bench --train",
+                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if args.one_rank_symm:  # in this process only: the CLI checks arguments without it
         from infini_dist.launch.bench_eager_host import allow_one_rank
         allow_one_rank()
     return args
@@ -220,7 +220,6 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device, dtype, control = setup(args)
-    check_shapes(args.model, dist.get_world_size())
     tol = args.tol if args.tol is not None else (2e-2 if dtype == torch.bfloat16 else 1e-4)
     rows = [run_variant(v, tokens, args, device, dtype, control)
             for tokens in args.tokens for v in args.variants]

@@ -61,18 +61,30 @@ def _match(keys: list[str], prefix: str) -> list[str]:
     return [k for k in keys if k.startswith(prefix)]
 
 
-def main(argv=None) -> int:
+def add_arguments(parser):
     import infini_dist
-    parser = argparse.ArgumentParser(prog="infini-dist cache", description=__doc__.split("\n")[0])
-    parser.add_argument("--cache-dir", default=None,
-                        help=f"default: config.cache_dir ({infini_dist.config.cache_dir})")
+    cache_dir = dict(help=f"default: config.cache_dir ({infini_dist.config.cache_dir})")
+    parser.add_argument("--cache-dir", default=None, **cache_dir)
     sub = parser.add_subparsers(dest="action", required=True)
-    sub.add_parser("list", help="one line per decision")
+    listing = sub.add_parser("list", help="one line per decision")
     show = sub.add_parser("show", help="print one decision's JSON record")
     show.add_argument("key")
     clear = sub.add_parser("clear", help="remove decisions: the given keys, or all")
     clear.add_argument("keys", nargs="*")
-    args = parser.parse_args(argv)
+    # after the action too; SUPPRESS: where it is not given there, the one before it stays
+    for action in (listing, show, clear):
+        action.add_argument("--cache-dir", default=argparse.SUPPRESS, **cache_dir)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="infini-dist cache",
+                                     description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args) -> int:
+    import infini_dist
     cache_dir = Path(args.cache_dir or infini_dist.config.cache_dir).expanduser()
     records = _records(cache_dir) if cache_dir.is_dir() else []
     keys = [k for k, _ in records]

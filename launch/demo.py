@@ -8,7 +8,6 @@ site it prints the candidates, their times (max over ranks), the committed choic
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
@@ -20,6 +19,7 @@ from torch import nn
 
 import infini_dist
 from infini_dist.launch import shutdown
+from infini_dist.launch.arguments import parse, positive_int
 from infini_dist.scheduler.cache import DECISIONS
 
 
@@ -104,14 +104,21 @@ def report(rows, errors, rank):
               f"{errors.get(row['op'], float('nan')):.3e}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="infini_dist demo (run under torchrun)")
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
+def add_arguments(parser):
+    parser.add_argument("--tokens", type=positive_int, default=16)
+    parser.add_argument("--hidden", type=positive_int, default=256)
+    parser.add_argument("--layers", type=positive_int, default=2)
     parser.add_argument("--compile", action="store_true",
                         help="run the plain model through torch.compile with the infini_dist pass")
-    args = parser.parse_args(argv)
+
+
+def finish(parser, args, world):
+    if args.hidden < 2 * world:  # TPBlock: 2 heads per rank, each at least one wide
+        parser.error(f"--hidden {args.hidden} must be at least 2 heads x {world} ranks")
+
+
+def main(argv=None):
+    args = parse(argv, add_arguments, finish, description="infini_dist demo (run under torchrun)")
 
     cuda = torch.cuda.is_available()
     if cuda:

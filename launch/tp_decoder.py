@@ -38,7 +38,7 @@ class ModelConfig:
 def check_shapes(cfg: ModelConfig, tp: int) -> None:
     """Raise ValueError naming every size that cannot be split over `tp` ranks."""
     if min(asdict(cfg).values()) <= 0:
-        raise ValueError(f"bench --model: every size must be positive, got {asdict(cfg)}")
+        raise ValueError(f"every size must be positive, got {asdict(cfg)}")
     problems = []
     if cfg.hidden % cfg.heads:
         problems.append(f"--hidden {cfg.hidden} is not a multiple of --heads {cfg.heads}")
@@ -48,7 +48,7 @@ def check_shapes(cfg: ModelConfig, tp: int) -> None:
         if value % tp:
             problems.append(f"{flag} {value} is not divisible by the tensor-parallel size {tp}")
     if problems:
-        raise ValueError("bench --model: " + "; ".join(problems))
+        raise ValueError("; ".join(problems))
 
 
 def rms_norm(x, weight, eps):

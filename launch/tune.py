@@ -28,35 +28,50 @@ import torch.distributed as dist
 
 import infini_dist
 from infini_dist.launch import init_job, shutdown
+from infini_dist.launch.arguments import (add_model_sizes, parse, positive_float, positive_int,
+                                          positive_ints, usage_error)
+
+
+def hf_model(text: str) -> str:
+    """--hf: a family bench_hf builds, or a config.json or model directory on this machine."""
+    from infini_dist.launch.bench_hf import FAMILIES
+    if text not in FAMILIES and not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"neither a family ({', '.join(FAMILIES)}) nor a path: "
+                                         f"{text!r}")
+    return text
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", choices=("tp_decoder", "ops"), default="tp_decoder")
+    parser.add_argument("--tokens", type=positive_ints, default="",
+                        help="token counts, comma-separated (default: one per bucket)")
+    add_model_sizes(parser, layers=1)
+    parser.add_argument("--eps", type=positive_float, default=1e-6)
+    parser.add_argument("--hf", metavar="FAMILY|CONFIG", type=hf_model,
+                        help="a Hugging Face model: llama, qwen2 or mistral (sized by the flags "
+                             "above and --vocab), or a config.json or model directory")
+    parser.add_argument("--vocab", type=positive_int, default=32000,
+                        help="--hf FAMILY's vocabulary")
+    parser.add_argument("--backend", choices=("inductor", "infini_dist"), default="inductor",
+                        help="tp_decoder's torch.compile backend")
+
+
+def finish(parser, args, world):
+    from infini_dist.launch.bench_hf import FAMILIES
+    from infini_dist.launch.tp_decoder import ModelConfig, check_shapes
+    args.tokens = args.tokens or None  # warmup's default: one count per bucket
+    if args.hf and (args.backend != "inductor" or args.model != "tp_decoder"):
+        parser.error("--hf takes the place of --model and compiles with Inductor")
+    args.config = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads, 1,
+                              args.eps)
+    # the flags size tp_decoder and an --hf family; a config read from a path has its own sizes
+    if args.model == "tp_decoder" and (not args.hf or args.hf in FAMILIES):
+        usage_error(parser, check_shapes, args.config, world)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="infini-dist tune", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("tp_decoder", "ops"), default="tp_decoder")
-    parser.add_argument("--tokens", default="",
-                        help="token counts, comma-separated (default: one per bucket)")
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--mlp", type=int, default=14336)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--eps", type=float, default=1e-6)
-    parser.add_argument("--hf", metavar="FAMILY|CONFIG",
-                        help="a Hugging Face model: llama, qwen2 or mistral (sized by the flags "
-                             "above and --vocab), or a config.json or model directory")
-    parser.add_argument("--vocab", type=int, default=32000, help="--hf FAMILY's vocabulary")
-    parser.add_argument("--backend", choices=("inductor", "infini_dist"), default="inductor",
-                        help="tp_decoder's torch.compile backend")
-    args = parser.parse_args(argv)
-    try:
-        args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()] or None
-    except ValueError:
-        parser.error(f"--tokens must be comma-separated ints, got {args.tokens!r}")
-    if args.tokens and min(args.tokens) < 1:
-        parser.error("--tokens must be >= 1")
-    if args.hf and (args.backend != "inductor" or args.model != "tp_decoder"):
-        parser.error("--hf takes the place of --model and compiles with Inductor")
-    return args
+    return parse(argv, add_arguments, finish, prog="infini-dist tune",
+                 description=__doc__.split("\n")[0])
 
 
 def hf_config(args):
@@ -70,9 +85,6 @@ def hf_config(args):
                                    context=longest, prefill=[])
         return bench_hf.make_config(args.hf, sizes)
     from transformers import AutoConfig
-    if not os.path.exists(args.hf):
-        raise SystemExit(f"infini-dist tune: --hf {args.hf!r} is neither a family "
-                         f"({', '.join(bench_hf.FAMILIES)}) nor a path")
     return AutoConfig.from_pretrained(args.hf, local_files_only=True)
 
 
@@ -98,11 +110,8 @@ def _ops_model(eps: float):
 
 def _decoder(args, device, dtype):
     import infini_dist.compile as idc
-    from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
-    cfg = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads, 1,
-                      args.eps)
-    check_shapes(cfg, dist.get_world_size())
-    model = Decoder(cfg, dist.group.WORLD, device, dtype)
+    from infini_dist.launch.tp_decoder import Decoder
+    model = Decoder(args.config, dist.group.WORLD, device, dtype)  # sizes checked by finish
     return idc.compile_model(model, backend=args.backend, dynamic=True)
 
 

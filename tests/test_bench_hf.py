@@ -112,7 +112,7 @@ def test_tp_plan_argument_follows_transformers(monkeypatch):
     (["--variants", "nope"], "--variants: choose among"),
     (["--batches", "", "--prefill", ""], "no shape"),
     (["--heads", "6", "--kv-heads", "4"], "must be a multiple of --kv-heads 4"),
-    (["--round-calls", "0"], "need --iters, --rounds, --round-calls"),
+    (["--round-calls", "0"], "argument --round-calls: must be a positive integer"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
