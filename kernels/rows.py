@@ -148,22 +148,6 @@ def output(out, shape, dtype, device, what="out") -> torch.Tensor:
     return out
 
 
-def run_elementwise(make, inputs, scalars=(), out=None, out_dtype=None):
-    """Launch the elementwise kernel that `make(block_m, block_n, num_warps)` builds on
-    `inputs` (broadcast together), `scalars` and one output. Returns the output."""
-    check_dtypes(*inputs)
-    shape = broadcast_shape(t.shape for t in inputs)
-    # The dtype torch gives (bf16 * an fp32 row is fp32), as the op references do.
-    promoted = functools.reduce(torch.promote_types, (t.dtype for t in inputs))
-    out = output(out, shape, out_dtype or promoted, inputs[0].device)
-    if out.numel() == 0:
-        return out
-    views, block_m, block_n = elementwise_views(inputs, [out], shape)
-    kernel = make(block_m, block_n, num_warps(block_m, block_n))
-    kernel(*views[:-1], *scalars, views[-1])
-    return out
-
-
 def run_rowwise(make, inputs, weight, scalars, outs):
     """Launch the row-wise kernel that `make(block_m, block_n, num_warps)` builds with arguments
     (row inputs..., weight, scalars..., row length, outputs...). `outs` are already allocated."""
