@@ -7,21 +7,20 @@ Unfused torch, for the chain add -> relu -> scale(0.5) (see `infini_dist.kernels
 
 The chain's application is generated Python (ninetoothed applications are Python functions, read
 back with `inspect.getsource`, so the source is registered with linecache), one per chain and
-tile width, and calls the per-op helpers of the single-op kernels, which ninetoothed inlines.
+tile width, and calls the per-op helpers of kernels/nt_device.py, which ninetoothed inlines.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import linecache
 
 import ninetoothed.language as ntl
 import torch
 from ninetoothed import Tensor
 
-from infini_dist.kernels import nt_runtime
+from infini_dist.kernels import nt_device, nt_runtime
 from infini_dist.kernels.chain import Chain
 from infini_dist.kernels.epilogue import SPECS
 from infini_dist.kernels.rows import (arrangement, as_rows, broadcast_shape, check_dtypes,
@@ -30,13 +29,9 @@ from infini_dist.kernels.rows import (arrangement, as_rows, broadcast_shape, che
 
 
 def _helpers(chain: Chain) -> dict:
-    """The single-op kernels' helpers the chain's steps call ("module:function" in the specs)."""
-    helpers = {}
-    for step in chain.steps:
-        for ref in SPECS[step.op].nt_helpers:
-            module, name = ref.split(":")
-            helpers[name] = getattr(importlib.import_module(f"infini_dist.kernels.{module}"), name)
-    return helpers
+    """The nt_device helpers the chain's steps call (their specs' `nt_helpers`)."""
+    return {name: getattr(nt_device, name)
+            for step in chain.steps for name in SPECS[step.op].nt_helpers}
 
 
 def _step_code(step, args, results):

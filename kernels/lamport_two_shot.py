@@ -91,7 +91,8 @@ def lamport_two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options)
     args = head + (buffer.data_table, buffer.epoch, x.numel(),
                    part_elements(buffer, x.element_size(), 2), buffer.rank, tuning.timeout_ns)
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, MAX_PROGRAMS=MAX_PROGRAMS,
-                  # Half the barrier kernel's warps: 11.8 vs 12.6 us at 128 x 4096 bf16 on 4 H200s.
+                  # Half the barrier kernel's warps: measured faster at 128 x 4096 bf16 on 4 H200s
+                  # (docs/notes_symm.md, session 2).
                   num_warps=max(4, layout.num_warps // 2))
     return lamport_two_shot_kernel, (layout.grid,), args, kwargs
 

@@ -146,17 +146,17 @@ class FastLaunch:
 
     Triton's normal launch (`kernel[grid](...)`) binds every argument, computes its
     specialisation (type, 16-byte alignment, ints equal to 1 or multiples of 16) and a cache
-    key, then calls the compiled kernel's launcher: ~40 us of Python for our ~45-argument
-    kernels. Here the arguments are bound once, into a list in parameter order (what the
-    launcher takes, constexprs included). The first call takes the normal path and keeps the
-    CompiledKernel it returns; later calls fill in the per-call tensors and call
-    `compiled[grid](*args, stream=)` directly. Such a call would have found that same kernel
-    on the normal path only if the specialisation is the same, so a call takes the short path
-    only when its per-call tensors have the first call's dtypes and 16-byte-aligned addresses
-    (everything else is fixed by construction) and the current device is the first call's;
-    any other call takes the normal path. Feature detection is once per FastLaunch: when the
-    normal path returns no CompiledKernel (the interpreter, another Triton), every call stays
-    on the normal path, with the pre-bound arguments.
+    key, then calls the compiled kernel's launcher: for our ~45-argument kernels that Python
+    costs more than the kernels themselves at decode sizes. Here the arguments are bound once,
+    into a list in parameter order (what the launcher takes, constexprs included). The first
+    call takes the normal path and keeps the CompiledKernel it returns; later calls fill in the
+    per-call tensors and call `compiled[grid](*args, stream=)` directly. Such a call would have
+    found that same kernel on the normal path only if the specialisation is the same, so a call
+    takes the short path only when its per-call tensors have the first call's dtypes and
+    16-byte-aligned addresses (everything else is fixed by construction) and the current device
+    is the first call's; any other call takes the normal path. Feature detection is once per
+    FastLaunch: when the normal path returns no CompiledKernel (the interpreter, another
+    Triton), every call stays on the normal path, with the pre-bound arguments.
 
     What the short path skips: Triton's pre-run hooks (none may be registered, else it is not
     used), its check that the kernel's globals are unchanged, and its re-reading of the debug

@@ -256,8 +256,8 @@ DEFAULT_TUNING = SymmTuning()
 def group_items(items: int, grid: int, tuning: SymmTuning = DEFAULT_TUNING) -> int:
     """Items a program moves at once in each phase: more bytes in flight per program. One item
     (8 KiB of bf16 at hidden 4096) leaves the copy latency-bound; on 4 H200s, add_rms_norm
-    x 4096 bf16 went 56.6 -> 54.0 us at 1024 tokens with 2, 364.5 -> 331.1 us at 8192 with 4
-    (8 at 8192 was slower again: 377 us, registers). tuning.group_items = n > 0 forces n, rounded
+    x 4096 bf16 ran faster with 2 at 1024 tokens and with 4 at 8192 (8 at 8192 was slower
+    again: registers; docs/notes_symm.md, session 2). tuning.group_items = n > 0 forces n, rounded
     up to a power of two."""
     if tuning.group_items > 0:
         return triton.next_power_of_2(tuning.group_items)

@@ -85,7 +85,7 @@ def two_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
 
 def round_items(items: int, grid: int, tuning: SymmTuning = DEFAULT_TUNING) -> int:
     """Items per program per round: 16 once a program has 32 or more (overlapping phase 3 with
-    the next round's transfers took 392 -> 377 us at 8192 x 4096 bf16 on 4 H200s; see
+    the next round's transfers measured faster at 8192 x 4096 bf16 on 4 H200s; see
     docs/notes_symm.md), else one round. tuning.round_items = n > 0 forces n."""
     if tuning.round_items > 0:
         return tuning.round_items

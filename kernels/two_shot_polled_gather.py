@@ -92,8 +92,8 @@ def two_shot_polled_gather_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **op
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, GROUP=group,
                   MAX_PROGRAMS=MAX_PROGRAMS,
                   # About 32 elements of a [group, row] tile a thread: on 4 H200s, add_rms_norm
-                  # x 4096 bf16 at 8192 tokens took 313.5 us with 16 warps against 317.8 with 8
-                  # (1024 tokens: 8 warps).
+                  # x 4096 bf16 at 8192 tokens ran faster with 16 warps than with 8 (1024
+                  # tokens: 8 warps; docs/notes_symm.md, session 2).
                   num_warps=max(4, min(16, group * layout.block // 1024)))
     return two_shot_polled_gather_kernel, (layout.grid,), args, kwargs
 

@@ -22,7 +22,7 @@ SPEC = elementwise(
     spellings=(Spelling("gelu", lambda x: F.gelu(x), attrs=(("approximate", "none"),)),
                Spelling("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"),
                         attrs=(("approximate", "tanh"),))),
-    nt_code=_nt_code, nt_helpers=("gelu:gelu_erf_fp32", "gelu:gelu_tanh_fp32"),
+    nt_code=_nt_code, nt_helpers=("gelu_erf_fp32", "gelu_tanh_fp32"),
     symm_steps=(
         SymmStep("gelu", "0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))"),
         # tanh(u) = 2 sigmoid(2u) - 1, with u = sqrt(2 / pi) * (x + 0.044715 x^3)

@@ -31,5 +31,5 @@ def _nt_code(step, args, out):
 SPEC = OpSpec(
     "gemma_rms_norm", "rowwise", 2, gemma_rms_norm, attrs=(("eps", 1e-6),), vectors=(1,),
     spellings=(Spelling("gemma_rms_norm", _transformers, captures=(("eps", EPS),)),),
-    nt_code=_nt_code, nt_helpers=("rms_norm:rms_normalize_fp32",),
+    nt_code=_nt_code, nt_helpers=("rms_normalize_fp32",),
     symm_norm=SymmNorm("y = y * rstd * (1.0 + weight)", ("value", "weight"), SYMM_RSTD))

@@ -54,5 +54,5 @@ SPEC = OpSpec(
                  lambda x, w: F.rms_norm(x.float(), (x.shape[-1],), w.float(), EPS).to(x.dtype),
                  captures=(("eps", EPS),), exposable=RSTD)),
     nt_code=lambda step, args, out: nt_normalize(step, args, out[0], args[1]),
-    nt_helpers=("rms_norm:rms_normalize_fp32",),
+    nt_helpers=("rms_normalize_fp32",),
     symm_norm=SYMM_NORM)

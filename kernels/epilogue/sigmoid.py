@@ -13,5 +13,5 @@ SPEC = elementwise(
     "sigmoid", sigmoid, 1,
     spellings=(Spelling("sigmoid", lambda x: torch.sigmoid(x)),),
     nt_code=lambda step, args, out: [f"{out[0]} = sigmoid_fp32({args[0]})"],
-    nt_helpers=("sigmoid:sigmoid_fp32",),
+    nt_helpers=("sigmoid_fp32",),
     symm_steps=(SymmStep("sigmoid", "sigmoid_fp32(x)"),))

@@ -13,5 +13,5 @@ SPEC = elementwise(
     "silu", silu, 1,
     spellings=(Spelling("silu", lambda x: F.silu(x)),),
     nt_code=lambda step, args, out: [f"{out[0]} = silu_fp32({args[0]})"],
-    nt_helpers=("silu:silu_fp32",),
+    nt_helpers=("silu_fp32",),
     symm_steps=(SymmStep("silu", "x * sigmoid_fp32(x)"),))

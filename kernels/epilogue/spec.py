@@ -5,7 +5,7 @@ Pure Python and torch: the engine imports the specs without Triton or ninetoothe
 code of an op is therefore source text, spliced into the one generated kernel of each chain:
 
 - `nt_code(step, args, results)`: statements of the ninetoothed chain (elementwise_chain), in
-  fp32 locals; `nt_helpers` names the single-op kernels' helpers the statements call. A rowwise
+  fp32 locals; `nt_helpers` names the helpers of kernels/nt_device.py the statements call. A rowwise
   op's statements see whole rows (`in_row` masks the lanes past the row end, `num_cols` is the
   row length); a result listed in `per_row_outputs` is a (rows, 1) local, stored as such.
 - `symm_steps`: the op as a step of the symmetric-memory chain (symm_chain.apply_op). Each is
@@ -102,7 +102,7 @@ class OpSpec:
     per_row_outputs: tuple[int, ...] = ()
     spellings: tuple[Spelling, ...] = ()
     nt_code: Callable | None = None
-    nt_helpers: tuple[str, ...] = ()  # "module:function" under infini_dist.kernels
+    nt_helpers: tuple[str, ...] = ()  # functions of infini_dist.kernels.nt_device
     symm_steps: tuple[SymmStep, ...] = ()
     symm_pick: Callable | None = None  # (position, attrs, side kind) -> step name | None
     symm_norm: SymmNorm | None = None

@@ -18,7 +18,7 @@ def _nt_code(step, args, out):
 SPEC = elementwise(
     "swiglu", swiglu, 2,
     spellings=(Spelling("swiglu", lambda gate, up: F.silu(gate) * up, (0, 1)),),
-    nt_code=_nt_code, nt_helpers=("silu:silu_fp32",),
+    nt_code=_nt_code, nt_helpers=("silu_fp32",),
     symm_steps=(SymmStep("swiglu_gate", "x * sigmoid_fp32(x) * side", side="row"),
                 SymmStep("swiglu_up", "side * sigmoid_fp32(side) * x", side="row")),
     symm_pick=lambda position, attrs, side: (("swiglu_gate", "swiglu_up")[position]

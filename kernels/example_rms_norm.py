@@ -1,4 +1,14 @@
-"""rms_norm over the last dim, one pass: whole rows per tile, sums in fp32, rounded once.
+"""An example ninetoothed kernel, in the shape ntops gives its kernels; production runs rms_norm as
+a step of the chain kernel (kernels/elementwise_chain.py), and this file is here to read and to
+copy from. RMSNorm over the last dim, one pass: whole rows per tile, sums in fp32, rounded once.
+
+- `application`: the math on one tile, in fp32 locals, calling a shared device helper
+  (kernels/nt_device.py; ninetoothed inlines it).
+- `premake`: the shared arrangement (kernels/rows.py: 2-D row views in (block_m, block_n) tiles,
+  the 1-D weight repeated for every row of tiles) bound to one tile shape, with the application
+  and the tensors' ranks.
+- `make`: `ninetoothed.make` once per tile shape (nt_runtime adds the CPU interpreter's fixes).
+- `rms_norm`: the thin torch wrapper: checks, output, tile shape from the shapes alone, launch.
 
 Unfused torch:
     x32 = x.float()
@@ -8,14 +18,9 @@ Unfused torch:
 import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
+from infini_dist.kernels.nt_device import rms_normalize_fp32
 from infini_dist.kernels.rows import (arrangement, cached_make, check_dtypes, output, run_rowwise,
-                                     tiled_premake)
-
-
-def rms_normalize_fp32(x, weight, eps, num_cols):
-    # x is a (rows, block) tile whose lanes past the row end are zero.
-    mean_square = ntl.sum(x * x, axis=1, keep_dims=True) / num_cols
-    return x * ntl.rsqrt(mean_square + eps) * weight
+                                      tiled_premake)
 
 
 def application(input, weight, eps, num_cols, output):
