@@ -17,7 +17,7 @@ def main() -> int:
               f"{type(error).__name__}: {error}", file=sys.stderr)
         return 1
     print(f"infini-dist build: {built.__name__} ready in {time.monotonic() - started:.1f} s "
-          f"({express.build_directory(built.__name__.endswith('_cuda'))})")
+          f"({getattr(built, '__file__', '?')})")
     return 0
 
 

@@ -1,5 +1,6 @@
 """`infini-dist`: start the demo, a benchmark or a warm-up under torchrun, one rank per GPU (or 2
-on CPU); `infini-dist cache ...` manages the decision cache (no torchrun)."""
+on CPU); `infini-dist cache ...` manages the decision cache and `infini-dist build` builds the
+eager ops' C++ module ahead of time (no torchrun)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from infini_dist.launch import build_express
 from infini_dist.launch.arguments import positive_int
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -85,6 +87,9 @@ def build_parser():
     cache = sub.add_parser("cache", help="list | show KEY | clear [KEY ...] decisions",
                            description=cache_cli.__doc__.split("\n")[0])
     cache_cli.add_arguments(cache)
+    sub.add_parser("build", help="build the eager ops' C++ module now (else: in the background, "
+                                 "at the first eager call)",
+                   description=build_express.__doc__.split("\n")[0])
     return parser, runs
 
 
@@ -121,6 +126,8 @@ def main(argv=None) -> int:
         if args.command == "cache":
             from infini_dist.launch import cache_cli
             return cache_cli.run(args)
+        if args.command == "build":
+            return build_express.main()
     nproc = args.nproc or default_nproc()
     # the rules between flags, for this many ranks: a refusal here starts no rank
     args.module.finish(args.parser, args, nproc)

@@ -5,6 +5,7 @@ this process, with torchrun replaced by a stand-in that records what it would ha
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -98,6 +99,7 @@ HELP = {  # subcommand words -> flags its --help must list
                            "--nproc"],
     ("cache",): ["--cache-dir", "list", "show", "clear"],
     ("cache", "list"): ["--cache-dir"],
+    ("build",): ["--help"],
 }
 
 
@@ -140,3 +142,22 @@ def test_cache_dir_before_or_after_the_action(order, tmp_path, started, capsys):
     assert cli.main(argv) == 0 and started == []
     out = capsys.readouterr().out
     assert "abcdef012345" in out and f"1 decision(s) in {tmp_path}" in out
+
+
+def test_build_makes_the_cpp_module_without_a_rank(started, capsys, monkeypatch):
+    """`infini-dist build`: the eager ops' C++ module now, in this process (here the CPU
+    variant; a compile on a fresh machine, else the cached build); a failure is exit status 1
+    and one line saying why."""
+    from infini_dist.kernels import express
+    calls = []
+    built = SimpleNamespace(__name__="infini_dist_express_cpu", __file__="/cache/express.so")
+    monkeypatch.setattr(express, "build", lambda: calls.append(1) or built)
+    assert cli.main(["build"]) == 0 and calls == [1] and started == []
+    assert "infini_dist_express_cpu ready in" in capsys.readouterr().out
+
+    def broken():
+        raise TimeoutError("another process held the build lock")
+    monkeypatch.setattr(express, "build", broken)
+    assert cli.main(["build"]) == 1 and started == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TimeoutError: another process held the build lock" in err[0]
