@@ -16,6 +16,7 @@ import torch
 
 from infini_dist.kernels.epilogue import SPECS
 from infini_dist.scheduler import data_plane
+from infini_dist.scheduler.store import STORE
 
 # kind -> where such an op may fuse around an anchor
 FUSION_RULES: dict[str, frozenset[str]] = {
@@ -98,8 +99,7 @@ def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: i
             raise ValueError(f"op {name!r} is a built-in op; pass replace=True to override it")
     _REGISTRY[name] = spec
     _generation += 1
-    from infini_dist.kernels import express
-    express.clear()  # a record may launch the replaced definition
+    STORE.forget_launches()  # a record may launch the replaced definition
     return spec
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from infini_dist.config import Settings
+from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler import op_registry
 from infini_dist.compile import fx_patterns
 from infini_dist.compile.anchors import IROp, collective_anchor, is_collective, is_tensor, value_of

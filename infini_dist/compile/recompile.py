@@ -24,21 +24,20 @@ import functools
 import torch
 from torch._dynamo.eval_frame import OptimizedModule, remove_from_cache
 
-from infini_dist.compile import decided
-from infini_dist.scheduler import engine
+from infini_dist.scheduler.store import STORE
 
 MAX_RECOMPILES = 4
 
 
 def _should_drop(state: dict) -> bool:
-    seen = engine.FUSES_NOTHING[0]  # one int compare per call; the digest only on a change
+    seen = STORE.version  # one int compare per call; the digest only on a change
     if seen == state["seen"] or state["recompiles"] >= MAX_RECOMPILES:
         return False
     if torch.compiler.is_compiling() or (torch.cuda.is_available()
                                          and torch.cuda.is_current_stream_capturing()):
         return False  # called from inside other compiled code or a capture: next time
     state["seen"] = seen
-    digest = decided.state(static_only=True)
+    digest = STORE.digest(static_only=True)
     if digest == state["digest"]:
         return False  # decisions of dynamic-shape sites: compiling again would change nothing
     state["digest"] = digest
@@ -58,7 +57,7 @@ class RecompilingModule(OptimizedModule):
 
 def recompiling(compiled, original):
     """`compiled` (torch.compile of `original`) made to recompile as decisions come."""
-    state = {"seen": engine.FUSES_NOTHING[0], "digest": decided.state(static_only=True),
+    state = {"seen": STORE.version, "digest": STORE.digest(static_only=True),
              "recompiles": 0}
     if isinstance(compiled, OptimizedModule):
         compiled.__class__ = RecompilingModule
