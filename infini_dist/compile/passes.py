@@ -123,7 +123,7 @@ def _fake_outputs(inputs: list, text: str) -> list:
         return list(torch.ops.infini_dist.fused_site.default(values, text))
 
 
-def _known_site(index: matching.GraphIndex, anchor: anchors.IROp, settings: Settings):
+def _known_site(index: matching.GraphIndex, anchor: anchors.FxOp, settings: Settings):
     """(site, text, inputs, outputs) to replace around `anchor`, its collective alone where the
     whole site is decided native or fuses nothing (compile/decided.py); text None: decided
     native, leave it to Inductor."""
