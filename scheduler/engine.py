@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler import benchmark, buckets, data_plane, every_call, lockstep, report
-from infini_dist.scheduler.cache import DECISIONS, versions
+from infini_dist.scheduler.cache import versions
 from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMeta,
                                            generate_choices, native_choice, resolve_group,
                                            run_nodes)
@@ -242,13 +242,13 @@ class SiteRunner:
             log.debug("infini_dist: int or empty input for %s: native", self.sub)
             return self._native(ctx)
         key = self._key(values, ctx)
-        record = DECISIONS.get_memory(key)
+        record = STORE.records.get_memory(key)
         rank0 = plane is None or plane.rank == 0
         if record is None and rank0 and s.enable_disk_cache:
-            record = DECISIONS.read_disk(s.cache_dir, key)
+            record = STORE.records.read_disk(s.cache_dir, key)
         if plane is not None:
             record = plane.broadcast(record if rank0 else None, "cache lookup")
-        DECISIONS.count(hit=record is not None)
+        STORE.records.count(hit=record is not None)
         if record is None and not s.tune_at_request_time:
             # The lookup was broadcast, so every rank raises here together.
             raise TuningError(f"infini_dist: no decision for {self._about(values, ctx)} and "
@@ -326,9 +326,9 @@ class SiteRunner:
                       times_s=worst, candidates=[c.name for c in survivors],
                       subgraph=self.sub.canonical(), precompile_s=precompile_s,
                       tuning_s=time.perf_counter() - started)
-        DECISIONS.put_memory(key, record)
+        STORE.records.put_memory(key, record)
         if (plane is None or plane.rank == 0) and s.enable_disk_cache:
-            DECISIONS.write_disk(s.cache_dir, key, record)
+            STORE.records.write_disk(s.cache_dir, key, record)
         self.last_tuning = record
         self.last_decision = dict(record, source="tuned")
         if plane is None or plane.rank == 0:

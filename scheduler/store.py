@@ -1,6 +1,7 @@
 """The engine's one decision store, `STORE`: the executors this process built, the choice each
-site committed per token bucket (with a version number), and the entries through which callers
-reach the committed launches the C++ table holds (kernels/express.py, scheduler/cpp_launch.py).
+site committed per token bucket (with a version number), the tuned records by cache key, and the
+entries through which callers reach the committed launches the C++ table holds
+(kernels/express.py, scheduler/cpp_launch.py).
 
 The engine writes it. The compile pass and the recompiler only read it (compile/decided.py,
 compile/recompile.py); eager ops and the compiled site op reach it through engine.executor_for,
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 
 from infini_dist.kernels import express
+from infini_dist.scheduler.cache import DecisionCache
 
 
 class DecisionStore:
@@ -24,6 +26,8 @@ class DecisionStore:
         self.version = 0  # bumped at every commit: readers recompute only when it moved
         self.static_texts: set[str] = set()  # compiled sites whose every dim is a plain int
         self.entries: dict = {}  # eager op name or compiled site text -> Entry
+        # Tuned records by cache key, in memory (disk: cache.py), with hit and miss counts.
+        self.records = DecisionCache()
 
     # ---- written by the engine -------------------------------------------------------------
     def commit(self, site_key: tuple, bucket: tuple, choice) -> None:

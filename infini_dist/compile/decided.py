@@ -2,7 +2,7 @@
 
 A site that commits `native` runs NCCL and the epilogue as Inductor compiles it, but inside our
 custom op: the op's dispatch costs host time (a host-bound training forward leaves the GPU idle
-for it: 150-450 us per site at 2048 tokens on 2xH200, docs/benchmarks.md), and the op boundary
+for it; docs/benchmarks.md has the measurements), and the op boundary
 keeps Inductor from fusing the epilogue with its neighbours. A site that commits a bare
 collective (our all-reduce, nothing fused) runs its chains in eager torch, one kernel per op,
 where Inductor would fuse them. Decisions are made at run time, so the pass cannot know them

@@ -1,9 +1,9 @@
 """Compiled code that compiles itself again once its sites have decided (compile_model).
 
 Code compiled before a site decides runs the site through our op whatever it decides. Decided
-native there, the site costs NCCL plus a Dynamo-compiled epilogue called from Python: about
-250 us of host time per site and call more than Inductor's own code on an H100 host
-(docs/benchmarks.md), and an op boundary Inductor cannot fuse across. Compiled again, the pass
+native there, the site costs NCCL plus a Dynamo-compiled epilogue called from Python: more
+host time per site and call than Inductor's own code (docs/benchmarks.md has the figures), and
+an op boundary Inductor cannot fuse across. Compiled again, the pass
 leaves such a site to Inductor (compile/decided.py). So what compile_model returns drops its
 compiled code at its first call after a compiled site of this process commits a choice that
 fuses nothing, and Dynamo compiles it anew; at most MAX_RECOMPILES times, since a server meets
