@@ -49,6 +49,7 @@ class SiteRunner:
         self.site = site
         self.settings = settings
         self.compiled = compiled  # the site sits in a torch.compile'd graph: Inductor is native
+        self.native_path = "inductor" if compiled else "eager"
         self.sub = site_subgraph(graph, site)
         self.inputs = self.sub.input_names
         self.outputs = self.sub.output_names
@@ -227,14 +228,11 @@ class SiteRunner:
         return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
                                   group_size=ctx.world_size, device=report.device_name(ctx.device),
                                   settings=self.settings.decision_fields(),
-                                  native=self._native_path(), **versions())
+                                  native=self.native_path, **versions())
 
     def _about(self, values, ctx) -> dict:
         tokens = self._tokens(values)
         return report.describe(self.sub, values, tokens and tokens.bound, ctx)
-
-    def _native_path(self) -> str:
-        return "inductor" if self.compiled else "eager"
 
     def _tune(self, values, ctx, plane: ControlPlane | None, baseline_only: bool) -> Choice:
         s = self.settings
@@ -322,7 +320,7 @@ class SiteRunner:
         mine = benchmark.pick(worst, NATIVE, native_like, s.fusion_speedup_threshold)
         if plane is not None:
             plane.agree(mine, "decision", "the chosen choice")
-        record = dict(self._about(values, ctx), choice=mine, native=self._native_path(),
+        record = dict(self._about(values, ctx), choice=mine, native=self.native_path,
                       times_s=worst, candidates=[c.name for c in survivors],
                       subgraph=self.sub.canonical(), precompile_s=precompile_s,
                       tuning_s=time.perf_counter() - started)
@@ -368,8 +366,7 @@ class GraphExecutor:
         self._only_names = frozenset(graph.input_names)
 
     def run(self, inputs: dict, group=None, entry=None, scalar: float = 0.0) -> dict:
-        """The graph's outputs. `entry`: the caller's key into the C++ table (cpp_launch.Entry),
-        offered this call's launch; `scalar` is the attribute the caller's key leaves out."""
+        """`entry` (cpp_launch.Entry, with the `scalar` its key leaves out): offered the launch."""
         if self.single_site is not None and inputs.keys() == self._only_names:
             out = self.single_site.run(inputs, group)
             if entry is not None:

@@ -115,6 +115,12 @@ def registered_ops() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def attr_choices(op_type: str, attr: str) -> tuple:
+    """The strings a built-in op's attribute may take (gelu's `approximate`), else ()."""
+    spec = SPECS.get(op_type)
+    return dict(spec.choices).get(attr, ()) if spec is not None else ()
+
+
 def may_fuse(op_type: str, position: str) -> bool:
     spec = _REGISTRY.get(op_type)
     if spec is None or position not in FUSION_RULES[spec.kind]:
