@@ -70,7 +70,7 @@ def all_reduce_relu_scale(x: torch.Tensor, scale: float, group=None) -> torch.Te
     """relu(all_reduce(x)) * scale."""
     call = _RELU_SCALE.call  # C++: a committed launch for exactly these inputs, else None
     if call is not None and type(scale) is float:
-        out = call(group, scale, [x])
+        out = call(_RELU_SCALE.op, group, scale, [x])
         if out is not None:
             return out[0]
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -86,7 +86,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     """h = all_reduce(x) + residual; returns (rms_norm(h) * weight, h)."""
     call = _ADD_RMS_NORM.call
     if call is not None and type(eps) is float:
-        out = call(group, eps, [x, residual, weight])
+        out = call(_ADD_RMS_NORM.op, group, eps, [x, residual, weight])
         if out is not None:
             return out
     if x.shape != residual.shape:
@@ -106,7 +106,7 @@ def all_reduce_swiglu(gate: torch.Tensor, up: torch.Tensor, group=None) -> torch
     """silu(all_reduce(gate)) * all_reduce(up)."""
     call = _SWIGLU.call
     if call is not None:
-        out = call(group, 0.0, [gate, up])
+        out = call(_SWIGLU.op, group, 0.0, [gate, up])
         if out is not None:
             return out[0]
     if gate.shape != up.shape:

@@ -11,17 +11,15 @@ launch after a Python-path call (engine.GraphExecutor.run).
 
 from __future__ import annotations
 
-import functools
-
 from infini_dist.kernels import express
 from infini_dist.scheduler.choices import resolve_group
 
 
 class Entry:
     """One caller's key into the C++ table: an eager op (the caller passes the group and a
-    scalar) or a compiled site (`group_name`, resolved at each call). `call(group, scalar,
-    tensors)` is the table's own call with this entry's op bound (a C function: no Python frame
-    on a hit), or None until the table is built; it returns None where no record matches."""
+    scalar) or a compiled site (`group_name`, resolved at each call). `call(op, group, scalar,
+    tensors)`, with this entry's `op`, is the table's own C function (no Python frame on a hit),
+    or None until the table is built; it returns None where no record matches."""
 
     def __init__(self, op: int, group_name: str | None = None):
         self.op = op
@@ -43,7 +41,7 @@ class Entry:
             if built is None:
                 express.start()  # in the background; calls take the Python path until ready
                 return
-            self.call = functools.partial(built.call, self.op)
+            self.call = built.call
         matched = resolve_group(self.group_name, None) if self.group_name is not None else group
         key = (id(executor), id(matched), scalar) + tuple(
             (t.shape, t.stride(), t.dtype, t.device) for t in inputs.values())

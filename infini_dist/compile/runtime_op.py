@@ -51,7 +51,7 @@ def _unaliased(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[
 def fused_site(inputs: list[torch.Tensor], graph: str) -> list[torch.Tensor]:
     entry = STORE.entries.get(graph)  # C++: a committed launch for exactly these inputs
     if entry is not None and entry.call is not None:
-        out = entry.call(resolve_group(entry.group_name, None), 0.0, inputs)
+        out = entry.call(entry.op, resolve_group(entry.group_name, None), 0.0, inputs)
         if out is not None:
             return list(out)
     executor = site_executor(graph, infini_dist.config.snapshot())
