@@ -46,7 +46,7 @@ class DecisionStore:
         """Drop the C++ table's records: the settings or an op's definition changed."""
         express.clear()
 
-    # ---- read by the compile pass, the recompiler and reports ------------------------------
+    # ---- the compile pass, the recompiler and reports: read (the pass notes static sites) ---
     def note_static(self, text: str) -> None:
         """The pass compiled site `text` with every dim a plain int: its decisions change what
         the pass writes (a symbolic token count has no bucket)."""
