@@ -67,7 +67,7 @@ class SiteRunner:
         # otherwise, so the hot path pays one truth test when the flag is off.
         self._call_keys: dict[tuple, tuple] = {}
         # This site's decisions per bucket signature live in STORE under this key.
-        self.key = (graph, settings, compiled, site.anchors[0])
+        self.key = STORE.site_key(graph, settings, compiled, site.anchors[0])
         self._lock = threading.Lock()
         self.last_tuning: dict | None = None  # set when this runner benchmarked
         self.last_decision: dict | None = None  # set by tuning or by a cache hit
@@ -98,9 +98,9 @@ class SiteRunner:
         """What a call with these inputs runs without tuning or agreeing first, if anything."""
         return None if self._call_keys else self._committed.get(self._signature(values, group)[2])
 
-    def decided(self, values: dict, group=None) -> Choice | None:
-        """The choice committed in this process for the token bucket of these inputs, if any:
-        no communication, and shapes are all it reads (fake tensors do)."""
+    def decided(self, values: dict, group=None):
+        """The Decision (store.py) committed in this process for the token bucket of these
+        inputs, if any: no communication, and shapes are all it reads (fake tensors do)."""
         values, group, _ = self._signature(values, group)
         tokens = self._tokens(values)
         return STORE.decided.get((self.key, (id(group),) + buckets.signature(values, tokens)))

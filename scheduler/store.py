@@ -12,17 +12,27 @@ compile and eager layers (docs/architecture.md).
 from __future__ import annotations
 
 import hashlib
+import itertools
+from typing import NamedTuple
 
 from infini_dist.kernels import express
 from infini_dist.scheduler.cache import DecisionCache
+
+
+class Decision(NamedTuple):
+    """What a site committed for a token bucket: all the pass and the engine read back (the
+    compiled choice itself stays with its runner, which frees it with its buffers)."""
+    name: str
+    fuses_nothing: bool
 
 
 class DecisionStore:
     def __init__(self):
         self.executors: dict = {}  # (graph, settings, compiled, op generation) -> GraphExecutor
         self.sites: dict = {}  # (compiled site text, settings, op generation) -> GraphExecutor
-        # (site key: SiteRunner.key, bucket signature) -> the Choice committed for that bucket
+        # (site key: SiteRunner.key, bucket signature) -> the Decision committed for that bucket
         self.decided: dict = {}
+        self._serials = itertools.count()
         self.version = 0  # bumped at every commit: readers recompute only when it moved
         self.static_texts: set[str] = set()  # compiled sites whose every dim is a plain int
         self.entries: dict = {}  # eager op name or compiled site text -> Entry
@@ -30,8 +40,12 @@ class DecisionStore:
         self.records = DecisionCache()
 
     # ---- written by the engine -------------------------------------------------------------
+    def site_key(self, graph, settings, compiled: bool, anchor: int) -> tuple:
+        """A new site's key: each runner decides afresh (a fresh executor tunes again)."""
+        return graph, settings, compiled, anchor, next(self._serials)
+
     def commit(self, site_key: tuple, bucket: tuple, choice) -> None:
-        self.decided[site_key, bucket] = choice
+        self.decided[site_key, bucket] = Decision(choice.name, choice.fuses_nothing)
         self.version += 1
 
     def entry(self, key: str, group_name: str | None = None) -> Entry:
@@ -56,7 +70,7 @@ class DecisionStore:
         """Digest of the compiled sites' decisions that change what the pass writes (those
         fusing nothing); `static_only`: of sites compiled with static shapes alone."""
         parts = []
-        for ((graph, _, compiled, _), bucket), choice in list(self.decided.items()):
+        for ((graph, _, compiled, _, _), bucket), choice in list(self.decided.items()):
             if compiled and choice.fuses_nothing:
                 text = graph.canonical()
                 if not static_only or text in self.static_texts:

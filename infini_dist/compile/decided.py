@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from infini_dist.scheduler.choices import NATIVE, Choice
+from infini_dist.scheduler.choices import NATIVE
 from infini_dist.scheduler.op_registry import generation
 from infini_dist.scheduler.settings import Settings
-from infini_dist.scheduler.store import STORE
+from infini_dist.scheduler.store import STORE, Decision
 
 
 def _example(node) -> torch.Tensor | None:
@@ -39,8 +39,8 @@ def _example(node) -> torch.Tensor | None:
     return None
 
 
-def known_choice(text: str, inputs: list, settings: Settings) -> Choice | None:
-    """The choice site `text` (a single site), read from graph values `inputs`, committed for
+def known_choice(text: str, inputs: list, settings: Settings) -> Decision | None:
+    """What site `text` (a single site), read from graph values `inputs`, committed for
     their token bucket in this process, or None."""
     values = [_example(n) for n in inputs]
     if any(v is None for v in values):
@@ -55,10 +55,10 @@ def known_choice(text: str, inputs: list, settings: Settings) -> Choice | None:
     return runners[0].decided(dict(zip(executor.graph.input_names, values)))
 
 
-def is_native(choice: Choice | None) -> bool:
+def is_native(choice: Decision | None) -> bool:
     return choice is not None and choice.name == NATIVE
 
 
-def fuses_nothing(choice: Choice | None) -> bool:
+def fuses_nothing(choice: Decision | None) -> bool:
     """Native, or a collective of ours with every other op of the site run in eager torch."""
     return choice is not None and choice.fuses_nothing
