@@ -12,9 +12,9 @@ import functools
 import torch
 
 import infini_dist
-from infini_dist import ops_express
-from infini_dist.scheduler.engine import GraphExecutor, executor_for
+from infini_dist.scheduler.engine import executor_for
 from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.store import STORE
 
 
 @functools.cache
@@ -42,17 +42,18 @@ def swiglu_graph() -> SubGraph:
                     ("gate", "up"), ("output",))
 
 
-_USED: dict[str, GraphExecutor] = {}  # op name -> the executor of its latest call
+# Each op's key into the engine's C++ table (scheduler/cpp_launch.py): `.call` makes a committed
+# launch for exactly a call's inputs from C++, once the table is built and the launch recorded.
+OP_NAMES = ("all_reduce_relu_scale", "all_reduce_add_rms_norm", "all_reduce_swiglu")
+_RELU_SCALE, _ADD_RMS_NORM, _SWIGLU = (STORE.entry(name) for name in OP_NAMES)
 
 
 def _run(name: str, graph: SubGraph, inputs: dict, group, scalar: float = 0.0) -> dict:
     for value_name, value in inputs.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: {value_name} must be a tensor, got {type(value).__name__}")
-    executor = _USED[name] = executor_for(graph, infini_dist.config.snapshot())
-    out = executor.run(inputs, group)
-    ops_express.offer(name, executor, inputs, graph.output_names, group, scalar)
-    return out
+    executor = executor_for(graph, infini_dist.config.snapshot())
+    return executor.run(inputs, group, STORE.entries[name], scalar)
 
 
 def _wants_grad(*tensors) -> bool:
@@ -67,9 +68,9 @@ def _autograd():
 
 def all_reduce_relu_scale(x: torch.Tensor, scale: float, group=None) -> torch.Tensor:
     """relu(all_reduce(x)) * scale."""
-    call = ops_express.call  # C++: a committed launch for exactly these inputs, else None
+    call = _RELU_SCALE.call  # C++: a committed launch for exactly these inputs, else None
     if call is not None and type(scale) is float:
-        out = call(0, group, scale, [x])
+        out = call(_RELU_SCALE.op, group, scale, [x])
         if out is not None:
             return out[0]
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -83,9 +84,9 @@ def all_reduce_relu_scale(x: torch.Tensor, scale: float, group=None) -> torch.Te
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float = 1e-6, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """h = all_reduce(x) + residual; returns (rms_norm(h) * weight, h)."""
-    call = ops_express.call
+    call = _ADD_RMS_NORM.call
     if call is not None and type(eps) is float:
-        out = call(1, group, eps, [x, residual, weight])
+        out = call(_ADD_RMS_NORM.op, group, eps, [x, residual, weight])
         if out is not None:
             return out
     if x.shape != residual.shape:
@@ -103,9 +104,9 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
 
 def all_reduce_swiglu(gate: torch.Tensor, up: torch.Tensor, group=None) -> torch.Tensor:
     """silu(all_reduce(gate)) * all_reduce(up)."""
-    call = ops_express.call
+    call = _SWIGLU.call
     if call is not None:
-        out = call(2, group, 0.0, [gate, up])
+        out = call(_SWIGLU.op, group, 0.0, [gate, up])
         if out is not None:
             return out[0]
     if gate.shape != up.shape:
@@ -119,8 +120,9 @@ def all_reduce_swiglu(gate: torch.Tensor, up: torch.Tensor, group=None) -> torch
 def decisions() -> list[dict]:
     """What each op used so far decided, for reports: op, candidates, times, committed choice."""
     rows = []
-    for name, executor in _USED.items():
-        for runner in executor.site_runners():
+    for name in OP_NAMES:
+        executor = STORE.entries[name].executor
+        for runner in executor.site_runners() if executor is not None else ():
             if runner.last_decision is not None:
                 rows.append(dict(runner.last_decision, op=name))
     return rows

@@ -4,7 +4,7 @@ Forward: the all_reduce of the partial input, then the local ops, through the en
 inference. Backward: the gradient w.r.t. a partial input is the incoming gradient of its reduced
 value (the all_reduce's backward is the identity: the reduced value is replicated, so every rank
 already holds the same gradient of it), chained with the local ops' backward on the saved reduced
-value. The add+RMSNorm backward is one fused kernel on CUDA; relu*scale and silu*mul go
+value. The add+RMSNorm backward is one fused kernel on CUDA (scheduler/backward.py); relu*scale and silu*mul go
 through torch autograd on the op's registered reference.
 
 The engine graphs expose what backward needs (the reduced values) as extra outputs; ops.py only
@@ -20,6 +20,7 @@ import torch
 
 from infini_dist import ops
 from infini_dist.scheduler import op_registry
+from infini_dist.scheduler.backward import add_rms_norm_backward
 from infini_dist.scheduler.ir import SubGraph
 
 
@@ -51,28 +52,6 @@ class _ReluScale(torch.autograd.Function):
         (reduced,) = ctx.saved_tensors
         (g,) = _reference_grads("relu", (reduced,), grad_out * ctx.scale, {})
         return g, None, None
-
-
-def add_rms_norm_backward_torch(h, weight, grad_out, grad_h, eps: float):
-    """(d h, d weight) of out = rms_norm(h) * weight, plus grad_h flowing into h, in torch ops
-    with fp32 inside: the unfused equivalent of kernels/rms_norm_backward."""
-    h32, dy = h.float(), grad_out.float()
-    rstd = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
-    xhat = h32 * rstd
-    dyw = dy * weight.float()
-    dh = rstd * (dyw - xhat * (dyw * xhat).mean(-1, keepdim=True)) + grad_h.float()
-    dw = (dy * xhat).reshape(-1, h.shape[-1]).sum(0)
-    return dh.to(h.dtype), dw.to(weight.dtype)
-
-
-def add_rms_norm_backward(h, weight, grad_out, grad_h, eps: float):
-    """The same gradients; on CUDA by one fused kernel, which reads each input once where the
-    torch ops make a dozen passes with fp32 intermediates."""
-    if h.is_cuda:
-        from infini_dist.kernels import rms_norm_backward as kernel
-        if kernel.supports(h, weight, grad_out, grad_h):
-            return kernel.rms_norm_backward(h, weight, grad_out, grad_h, eps)
-    return add_rms_norm_backward_torch(h, weight, grad_out, grad_h, eps)
 
 
 class _AddRmsNorm(torch.autograd.Function):

@@ -19,7 +19,7 @@ import torch
 
 import infini_dist
 from infini_dist.scheduler import buckets, report
-from infini_dist.scheduler.cache import DECISIONS
+from infini_dist.scheduler.store import STORE
 
 
 def _resized(value, tokens: int, token_dim: int):
@@ -76,7 +76,7 @@ def warmup(model, inputs, token_counts=None, *, token_dim: int = 0,
             return tuple(_resized(v, tokens, token_dim) for v in inputs)
         return _resized(inputs, tokens, token_dim)
 
-    misses, hits, started = DECISIONS.misses, DECISIONS.hits, time.perf_counter()
+    misses, hits, started = STORE.records.misses, STORE.records.hits, time.perf_counter()
     bar = tqdm(counts, desc="infini_dist warm-up", unit="shape", file=sys.stderr,
                disable=not progress or _rank() != 0)
     # Warm-up is where tuning belongs, whatever serving allows.
@@ -86,10 +86,10 @@ def warmup(model, inputs, token_counts=None, *, token_dim: int = 0,
     try:
         with allow, torch.no_grad():
             for tokens in bar:
-                bar.set_postfix(tokens=tokens, tuned=DECISIONS.misses - misses)
+                bar.set_postfix(tokens=tokens, tuned=STORE.records.misses - misses)
                 _call(model, make(tokens))
     finally:
         report.progress_bar = saved
         bar.close()
-    return {"token_counts": counts, "tuned": DECISIONS.misses - misses,
-            "cached": DECISIONS.hits - hits, "seconds": time.perf_counter() - started}
+    return {"token_counts": counts, "tuned": STORE.records.misses - misses,
+            "cached": STORE.records.hits - hits, "seconds": time.perf_counter() - started}

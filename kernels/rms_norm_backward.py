@@ -1,8 +1,8 @@
 """The backward of rms_norm (and of add + rms_norm), one pass over the rows: d h, the residual's
 gradient folded in, and per-program partial sums of d weight.
 
-Unfused torch: infini_dist.ops_autograd.add_rms_norm_backward_torch, in fp32 with one rounding per
-output, computing per row
+Unfused torch: infini_dist.scheduler.backward.add_rms_norm_backward_torch, in fp32 with one
+rounding per output, computing per row
     rstd = 1 / sqrt(mean(h^2) + eps),  xhat = h * rstd
     dh = rstd * (dy * w - xhat * mean(dy * w * xhat)) + grad_h,   dw = sum over rows of dy * xhat
 

@@ -55,8 +55,8 @@ def allow_one_rank() -> None:
 
 def layers(x, residual, weight) -> list[tuple[str, float]]:
     """Host µs of each layer of the call just made, from the outside in."""
-    from infini_dist import ops
-    runner = ops._USED["all_reduce_add_rms_norm"].site_runners()[0]
+    from infini_dist.scheduler.store import STORE
+    runner = STORE.entries["all_reduce_add_rms_norm"].executor.site_runners()[0]
     choice = list(runner._committed.values())[-1]
     values = {"x": x, "residual": residual, "weight": weight}
     rows = [("runner.run", per_call_us(lambda: runner.run(values, None))),

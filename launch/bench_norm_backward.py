@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from infini_dist.kernels.rms_norm_backward import rms_norm_backward
-from infini_dist.ops_autograd import add_rms_norm_backward_torch as unfused
+from infini_dist.scheduler.backward import add_rms_norm_backward_torch as unfused
 
 
 def _error(got, ref) -> float:

@@ -8,10 +8,10 @@ PREFILL_TARGET = 1.3  # with config.matmul_prologue (issue 14); without it, pref
 
 
 def summarize(decisions: list[dict]) -> list[dict]:
-    from infini_dist.compile.runtime_op import subgraph_from_json
+    from infini_dist.scheduler.ir import subgraph_from_text
     rows = []
     for d in decisions:
-        outputs = len(subgraph_from_json(d["subgraph"]).output_names)
+        outputs = len(subgraph_from_text(d["subgraph"]).output_names)
         rows.append({"site": f"{d['op']} ({outputs} out)", "choice": d.get("choice"),
                      "source": d.get("source"),
                      "times_us": {k: v * 1e6 for k, v in (d.get("times_s") or {}).items()}})

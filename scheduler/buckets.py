@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infini_dist.config import Settings
+from infini_dist.scheduler.settings import Settings
 
 
 def bounds(settings: Settings) -> tuple[int, ...]:

@@ -131,4 +131,10 @@ def _warn(message: str) -> None:
     warnings.warn(f"infini_dist: {message}", RuntimeWarning, stacklevel=3)
 
 
-DECISIONS = DecisionCache()
+def __getattr__(name):
+    # The tuned records belong to the engine's one store (scheduler/store.py); `DECISIONS` is
+    # their old name, kept for callers that count hits and misses.
+    if name == "DECISIONS":
+        from infini_dist.scheduler.store import STORE
+        return STORE.records
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

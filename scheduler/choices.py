@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from infini_dist.config import Settings
+from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler import op_registry, sum_first
 from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, live_outputs
 
@@ -109,6 +109,7 @@ _ALGORITHMS: dict[tuple[str, str], list[Algorithm]] = {}
 
 
 def register_algorithm(op_type: str, device_type: str, algorithm: Algorithm) -> None:
+    _load_backend(device_type)  # the built-in algorithms come first, as they always have
     entries = _ALGORITHMS.setdefault((op_type, device_type), [])
     if any(a.name == algorithm.name for a in entries):
         raise ValueError(f"algorithm {algorithm.name!r} already registered for "
@@ -117,6 +118,7 @@ def register_algorithm(op_type: str, device_type: str, algorithm: Algorithm) -> 
 
 
 def unregister_algorithm(op_type: str, device_type: str, name: str) -> None:
+    _load_backend(device_type)
     entries = _ALGORITHMS.get((op_type, device_type), [])
     entries[:] = [a for a in entries if a.name != name]
 
@@ -125,8 +127,12 @@ def _load_cuda() -> None:
     from infini_dist.scheduler.backends import cuda  # noqa: F401 - registers on import
 
 
+def _load_cpu() -> None:
+    from infini_dist.scheduler import torch_fused  # noqa: F401 - registers on import
+
+
 # Backends whose algorithms register on import, loaded the first time their device is seen.
-BACKEND_LOADERS = {"cuda": _load_cuda}
+BACKEND_LOADERS = {"cuda": _load_cuda, "cpu": _load_cpu}
 _loaded_backends: set[str] = set()
 
 
@@ -213,6 +219,11 @@ class Choice:
         """One fused span that is the whole site: its runner's result is the choice's."""
         return (self._runner is not None and len(self.steps) == 1
                 and set(self.span.outputs) == set(self.outputs))
+
+    def bound_runner(self):
+        """What every call of this choice runs once its first call bound it (a symmetric-memory
+        choice's PreparedLaunch), where its one span is the whole site; else None."""
+        return getattr(self._runner, "prepared", None) if self._direct else None
 
     def run(self, inputs: dict) -> dict:
         if self._direct:

@@ -20,24 +20,25 @@ import time
 import torch
 import torch.distributed as dist
 
-from infini_dist.config import Settings
+from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler import benchmark, buckets, data_plane, every_call, lockstep, report
-from infini_dist.scheduler.cache import DECISIONS, versions
+from infini_dist.scheduler.cache import versions
 from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMeta,
                                            generate_choices, native_choice, resolve_group,
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, control_plane
 from infini_dist.scheduler.lockstep import TuningError
-from infini_dist.scheduler.ir import Site, SubGraph, find_sites, site_subgraph
+from infini_dist.scheduler.ir import (Site, SubGraph, find_sites, site_subgraph,
+                                      subgraph_from_text)
 from infini_dist.scheduler.op_registry import close_enough, generation, get_op
 from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.shapes import site_meta
+from infini_dist.scheduler.store import STORE
 
 log = logging.getLogger("infini_dist")
 
 # Test hook: transforms this rank's medians before they are shared (inject timing noise).
 timing_hook = None
-FUSES_NOTHING = [0]  # compiled sites' bucket decisions that fuse nothing: compile/recompile.py
 
 
 class SiteRunner:
@@ -48,6 +49,7 @@ class SiteRunner:
         self.site = site
         self.settings = settings
         self.compiled = compiled  # the site sits in a torch.compile'd graph: Inductor is native
+        self.native_path = "inductor" if compiled else "eager"
         self.sub = site_subgraph(graph, site)
         self.inputs = self.sub.input_names
         self.outputs = self.sub.output_names
@@ -64,7 +66,8 @@ class SiteRunner:
         # Local signatures whose calls are agreed (agree_every_call) -> (key, on CUDA); empty
         # otherwise, so the hot path pays one truth test when the flag is off.
         self._call_keys: dict[tuple, tuple] = {}
-        self._decided: dict[tuple, str] = {}  # bucket signature -> committed choice name
+        # This site's decisions per bucket signature live in STORE under this key.
+        self.key = STORE.site_key(graph, settings, compiled, site.anchors[0])
         self._lock = threading.Lock()
         self.last_tuning: dict | None = None  # set when this runner benchmarked
         self.last_decision: dict | None = None  # set by tuning or by a cache hit
@@ -95,20 +98,15 @@ class SiteRunner:
         """What a call with these inputs runs without tuning or agreeing first, if anything."""
         return None if self._call_keys else self._committed.get(self._signature(values, group)[2])
 
-    def decided(self, values: dict, group=None) -> Choice | None:
-        """The choice committed in this process for the token bucket of these inputs, if any:
-        no communication, and shapes are all it reads (fake tensors do)."""
+    def decided(self, values: dict, group=None):
+        """The Decision (store.py) committed in this process for the token bucket of these
+        inputs, if any: no communication, and shapes are all it reads (fake tensors do)."""
         values, group, _ = self._signature(values, group)
         tokens = self._tokens(values)
-        return self.decided_buckets().get((id(group),) + buckets.signature(values, tokens))
+        return STORE.decided.get((self.key, (id(group),) + buckets.signature(values, tokens)))
 
     def _tokens(self, values: dict):
         return buckets.tokens_of(values, self.settings, self.fixed) if self.bucketed else None
-
-    def decided_buckets(self) -> dict:
-        """Bucket signature -> the choice committed for it, per bucket decided in this process."""
-        by_name = {choice.name: choice for choice in self._committed.values()}
-        return {bucket: by_name.get(name) for bucket, name in self._decided.items()}
 
     # ---- deciding ----------------------------------------------------------------------------
     def _context(self, values: dict, group) -> RunContext:
@@ -176,8 +174,8 @@ class SiteRunner:
         if plane is not None:
             with every_call.noting_cached_peers(agreed, self.settings.agree_every_call):
                 plane.agree(signature, "signature", "input shapes and dtypes")
-        name = self._decided.get(bucket)
-        if name is None:
+        decided = STORE.decided.get((self.key, bucket))
+        if decided is None:
             tuned = buckets.at_bound(values, tokens) if tokens else values
             choice = self._tune(tuned, ctx, plane, baseline_only=any(
                 isinstance(v, torch.Tensor) and (not v.dtype.is_floating_point or v.numel() == 0)
@@ -187,12 +185,11 @@ class SiteRunner:
             # at the bucket bound: buffers are sized for every count of the bucket. Agreed: a
             # rank failing before its collective must not leave its peers inside theirs.
             lockstep.agreed(self.settings, plane, "first run", lambda: choice.run(tuned))
-            self._decided[bucket] = choice.name
-            FUSES_NOTHING[0] += self.compiled and choice.fuses_nothing
+            STORE.commit(self.key, bucket, choice)
             if buckets.same_layout(values, tuned):
                 return choice
-            name = choice.name
-        choice = self._specialize(name, values, ctx, plane)
+            decided = choice
+        choice = self._specialize(decided.name, values, ctx, plane)
         lockstep.agreed(self.settings, plane, "first run", lambda: choice.run(values))
         return choice
 
@@ -231,14 +228,11 @@ class SiteRunner:
         return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
                                   group_size=ctx.world_size, device=report.device_name(ctx.device),
                                   settings=self.settings.decision_fields(),
-                                  native=self._native_path(), **versions())
+                                  native=self.native_path, **versions())
 
     def _about(self, values, ctx) -> dict:
         tokens = self._tokens(values)
         return report.describe(self.sub, values, tokens and tokens.bound, ctx)
-
-    def _native_path(self) -> str:
-        return "inductor" if self.compiled else "eager"
 
     def _tune(self, values, ctx, plane: ControlPlane | None, baseline_only: bool) -> Choice:
         s = self.settings
@@ -246,13 +240,13 @@ class SiteRunner:
             log.debug("infini_dist: int or empty input for %s: native", self.sub)
             return self._native(ctx)
         key = self._key(values, ctx)
-        record = DECISIONS.get_memory(key)
+        record = STORE.records.get_memory(key)
         rank0 = plane is None or plane.rank == 0
         if record is None and rank0 and s.enable_disk_cache:
-            record = DECISIONS.read_disk(s.cache_dir, key)
+            record = STORE.records.read_disk(s.cache_dir, key)
         if plane is not None:
             record = plane.broadcast(record if rank0 else None, "cache lookup")
-        DECISIONS.count(hit=record is not None)
+        STORE.records.count(hit=record is not None)
         if record is None and not s.tune_at_request_time:
             # The lookup was broadcast, so every rank raises here together.
             raise TuningError(f"infini_dist: no decision for {self._about(values, ctx)} and "
@@ -326,13 +320,13 @@ class SiteRunner:
         mine = benchmark.pick(worst, NATIVE, native_like, s.fusion_speedup_threshold)
         if plane is not None:
             plane.agree(mine, "decision", "the chosen choice")
-        record = dict(self._about(values, ctx), choice=mine, native=self._native_path(),
+        record = dict(self._about(values, ctx), choice=mine, native=self.native_path,
                       times_s=worst, candidates=[c.name for c in survivors],
                       subgraph=self.sub.canonical(), precompile_s=precompile_s,
                       tuning_s=time.perf_counter() - started)
-        DECISIONS.put_memory(key, record)
+        STORE.records.put_memory(key, record)
         if (plane is None or plane.rank == 0) and s.enable_disk_cache:
-            DECISIONS.write_disk(s.cache_dir, key, record)
+            STORE.records.write_disk(s.cache_dir, key, record)
         self.last_tuning = record
         self.last_decision = dict(record, source="tuned")
         if plane is None or plane.rank == 0:
@@ -371,9 +365,14 @@ class GraphExecutor:
         self.single_site = one if one and set(one.outputs) == set(graph.output_names) else None
         self._only_names = frozenset(graph.input_names)
 
-    def run(self, inputs: dict, group=None) -> dict:
+    def run(self, inputs: dict, group=None, entry=None, scalar: float = 0.0) -> dict:
+        """`entry` (cpp_launch.Entry, with the `scalar` its key leaves out): offered the launch."""
         if self.single_site is not None and inputs.keys() == self._only_names:
-            return self.single_site.run(inputs, group)
+            out = self.single_site.run(inputs, group)
+            if entry is not None:
+                entry.executor = self
+                entry.offer(self, inputs, group, scalar)
+            return out
         missing = [n for n in self.graph.input_names if n not in inputs]
         if missing:
             raise ValueError(f"missing graph inputs: {missing}")
@@ -392,13 +391,19 @@ class GraphExecutor:
         return [item for kind, item in self.plan if kind == "site"]
 
 
-_EXECUTORS: dict[tuple, GraphExecutor] = {}
-
-
 def executor_for(graph: SubGraph, settings: Settings, compiled: bool = False) -> GraphExecutor:
     """The executor of `graph` under `settings` (the caller's infini_dist.config.snapshot())."""
     key = (graph, settings, compiled, generation())  # a re-registered op: built afresh
-    executor = _EXECUTORS.get(key)
+    executor = STORE.executors.get(key)
     if executor is None:
-        executor = _EXECUTORS[key] = GraphExecutor(graph, settings, compiled)
+        executor = STORE.executors[key] = GraphExecutor(graph, settings, compiled)
+    return executor
+
+
+def site_executor(text: str, settings: Settings) -> GraphExecutor:
+    """The executor of a compiled site, `text` its SubGraph's canonical text: no parse per call."""
+    key = (text, settings, generation())
+    executor = STORE.sites.get(key)
+    if executor is None:
+        executor = STORE.sites[key] = executor_for(subgraph_from_text(text), settings, True)
     return executor

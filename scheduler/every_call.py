@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from infini_dist.config import AUTO
+from infini_dist.scheduler.settings import AUTO
 from infini_dist.scheduler.control import (ControlPlane, ControlPlaneError, RankMismatchError,
                                            control_plane)
 

@@ -7,6 +7,7 @@ by it) and the epilogue chain (its consumers, in order). Anchor plus chains is a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -83,6 +84,17 @@ def _canonical_value(value: Any) -> Any:
         return [_canonical_value(v) for v in value]
     return value
 
+
+
+def _attr_value(value: Any) -> Any:
+    # Inverse of _canonical_value: floats travel as {"float": repr}, tuples as lists.
+    if isinstance(value, dict):
+        if set(value) != {"float"}:
+            raise ValueError(f"unexpected attribute encoding {value!r}")
+        return float(value["float"])
+    if isinstance(value, list):
+        return tuple(_attr_value(v) for v in value)
+    return value
 
 @dataclass(frozen=True)
 class SubGraph:
@@ -358,3 +370,22 @@ def site_subgraph(graph: SubGraph, site: Site) -> SubGraph:
     region = sorted(site.region)
     return SubGraph(tuple(graph.nodes[i] for i in region), external_inputs(graph, region),
                     live_outputs(graph, region))
+
+
+@functools.lru_cache(maxsize=4096)
+def subgraph_from_text(text: str) -> SubGraph:
+    """The SubGraph whose `canonical()` is `text` (validated again on construction): a compiled
+    site's graph, which travels in the compiled code as its text."""
+    try:
+        data = json.loads(text)
+        nodes = tuple(OpNode(op, tuple(inputs), tuple(outputs),
+                             {key: _attr_value(value) for key, value in attrs})
+                      for op, inputs, outputs, attrs in data["nodes"])
+        graph = SubGraph(nodes, tuple(data["inputs"]), tuple(data["outputs"]))
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"infini_dist.fused_site: not a canonical SubGraph ({error}): "
+                         f"{text[:200]!r}") from None
+    if graph.canonical() != text:
+        raise ValueError(f"infini_dist.fused_site: graph text is not in canonical form: "
+                         f"{text[:200]!r}")
+    return graph

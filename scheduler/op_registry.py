@@ -16,6 +16,7 @@ import torch
 
 from infini_dist.kernels.epilogue import SPECS
 from infini_dist.scheduler import data_plane
+from infini_dist.scheduler.store import STORE
 
 # kind -> where such an op may fuse around an anchor
 FUSION_RULES: dict[str, frozenset[str]] = {
@@ -32,7 +33,7 @@ FUSION_RULES: dict[str, frozenset[str]] = {
 
 
 @dataclass(frozen=True)
-class OpSpec:
+class RegisteredOp:
     name: str
     fn: Callable
     kind: str = "opaque"
@@ -50,7 +51,7 @@ class OpSpec:
         return self.kind == "collective" or (self.kind == "custom" and bool(self.implementations))
 
 
-_REGISTRY: dict[str, OpSpec] = {}
+_REGISTRY: dict[str, RegisteredOp] = {}
 _BUILTINS: frozenset[str] = frozenset()  # set once the built-in ops below are registered
 _generation = 0
 
@@ -64,7 +65,7 @@ def generation() -> int:
 def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: int = 1,
                 num_inputs: int | None = None,
                 implementations: dict[str, Callable] | None = None,
-                native: Callable | None = None, replace: bool = False) -> OpSpec:
+                native: Callable | None = None, replace: bool = False) -> RegisteredOp:
     """Register an op. `fn(*tensors, **attrs)` is its reference; `native` (same signature) is how
     the user's own code computes it, if that differs from `fn`.
 
@@ -88,7 +89,7 @@ def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: i
         raise TypeError(f"op {name!r}: native must be callable")
     if kind not in FUSION_RULES:
         raise ValueError(f"op {name!r}: kind must be one of {sorted(FUSION_RULES)}, got {kind!r}")
-    spec = OpSpec(name, fn, kind, num_outputs, num_inputs, False, dict(implementations or {}),
+    spec = RegisteredOp(name, fn, kind, num_outputs, num_inputs, False, dict(implementations or {}),
                   native)
     existing = _REGISTRY.get(name)
     if existing is not None:
@@ -98,12 +99,11 @@ def register_op(name: str, fn: Callable, *, kind: str = "opaque", num_outputs: i
             raise ValueError(f"op {name!r} is a built-in op; pass replace=True to override it")
     _REGISTRY[name] = spec
     _generation += 1
-    from infini_dist.kernels import express
-    express.clear()  # a record may launch the replaced definition
+    STORE.forget_launches()  # a record may launch the replaced definition
     return spec
 
 
-def get_op(name: str) -> OpSpec:
+def get_op(name: str) -> RegisteredOp:
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -113,6 +113,12 @@ def get_op(name: str) -> OpSpec:
 
 def registered_ops() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def attr_choices(op_type: str, attr: str) -> tuple:
+    """The strings a built-in op's attribute may take (gelu's `approximate`), else ()."""
+    spec = SPECS.get(op_type)
+    return dict(spec.choices).get(attr, ()) if spec is not None else ()
 
 
 def may_fuse(op_type: str, position: str) -> bool:
@@ -246,11 +252,11 @@ def matmul_native(x, w, bias=None, transpose_weight: bool = False):
     return out.reshape(shape)
 
 
-_REGISTRY["matmul"] = OpSpec("matmul", matmul, "matmul", native=matmul_native)
-_REGISTRY["all_reduce"] = OpSpec("all_reduce", all_reduce, "collective", outputs_per_input=True)
-_REGISTRY["reduce_scatter"] = OpSpec("reduce_scatter", reduce_scatter, "collective",
+_REGISTRY["matmul"] = RegisteredOp("matmul", matmul, "matmul", native=matmul_native)
+_REGISTRY["all_reduce"] = RegisteredOp("all_reduce", all_reduce, "collective", outputs_per_input=True)
+_REGISTRY["reduce_scatter"] = RegisteredOp("reduce_scatter", reduce_scatter, "collective",
                                      num_inputs=1, fake=_reduce_scatter_fake)
-_REGISTRY["all_gather"] = OpSpec("all_gather", all_gather, "collective", num_inputs=1,
+_REGISTRY["all_gather"] = RegisteredOp("all_gather", all_gather, "collective", num_inputs=1,
                                  fake=_all_gather_fake)
 for _spec in SPECS.values():  # the epilogue ops, each defined once in kernels/epilogue
     register_op(_spec.name, _spec.reference, kind=_spec.kind, num_inputs=_spec.arity,

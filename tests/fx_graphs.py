@@ -46,7 +46,7 @@ def fuse(gm, **flags):
     with infini_dist.config.patch(**flags):
         texts = idc.fuse_sites(gm.graph, infini_dist.config.snapshot())
     gm.recompile()
-    return [runtime_op.subgraph_from_json(t) for t in texts]
+    return [runtime_op.subgraph_from_text(t) for t in texts]
 
 
 def ops_of(sub):

@@ -224,11 +224,11 @@ def test_subgraph_text_round_trips_and_bad_text_is_refused():
                     OpNode("add_rms_norm", ("c", "d", "w"), ("e", "f"), {"eps": 1e-5}),
                     OpNode("gelu", ("e",), ("g",), {"approximate": "tanh"})),
                    ("a", "b", "w"), ("g", "f"))
-    assert runtime_op.subgraph_from_json(sub.canonical()) == sub
+    assert runtime_op.subgraph_from_text(sub.canonical()) == sub
     with pytest.raises(ValueError, match="canonical"):
-        runtime_op.subgraph_from_json('{"nodes": []}')
+        runtime_op.subgraph_from_text('{"nodes": []}')
     with pytest.raises(ValueError, match="canonical"):
-        runtime_op.subgraph_from_json(sub.canonical().replace(":", ": "))
+        runtime_op.subgraph_from_text(sub.canonical().replace(":", ": "))
 
 
 def test_fake_outputs_follow_the_subgraph():

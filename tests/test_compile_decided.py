@@ -54,7 +54,7 @@ def recompile_rank(rank, world_size):
     import torch.distributed as dist
 
     import infini_dist
-    from infini_dist.compile.runtime_op import subgraph_from_json
+    from infini_dist.scheduler.ir import subgraph_from_text
     from infini_dist.scheduler import engine
     from infini_dist.scheduler.choices import register_algorithm
 
@@ -88,7 +88,7 @@ def recompile_rank(rank, world_size):
         engine.timing_hook = None
     for key in ("native", "bare"):  # site texts -> their ops, for the assertions
         result[key] = [(out, sites, native, ["+".join(n.op_type for n in
-                                                       subgraph_from_json(t).nodes)
+                                                       subgraph_from_text(t).nodes)
                                               for t in texts])
                        for out, sites, native, texts in result[key]]
     return result

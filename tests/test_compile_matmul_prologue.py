@@ -184,11 +184,11 @@ def tp_block_rank(rank, world):
 
 
 def test_tp_block_with_the_matmul_prologue_compiled_with_inductor(tmp_path):
-    from infini_dist.compile.runtime_op import subgraph_from_json
+    from infini_dist.scheduler.ir import subgraph_from_text
     results = run_ranks(tp_block_rank, 2, env=_env(tmp_path), timeout=240)
     for r in results:
         assert r["tp_vs_full"] < 1e-5
-        subs = [subgraph_from_json(t) for t in r["sites"]]
+        subs = [subgraph_from_text(t) for t in r["sites"]]
         # wo and down, each with the projection in its site
         assert [ops_of(s) for s in subs] == [["matmul", "all_reduce", "add_rms_norm"]] * 2
         assert all(s.nodes[0].attr("transpose_weight") for s in subs)

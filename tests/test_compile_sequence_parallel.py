@@ -134,20 +134,20 @@ def sp_training_rank(rank, world):
 
 
 def test_tp_tutorial_sequence_parallel_trains_with_the_pass(tmp_path):
-    from infini_dist.compile.runtime_op import subgraph_from_json
+    from infini_dist.scheduler.ir import subgraph_from_text
     results = run_ranks(sp_training_rank, 2, env=_env(tmp_path), timeout=300)
     for r in results:
         assert r["eager_vs_full"] < 1e-5  # the sharding itself is right
         assert r["out"] < 1e-5 and r["x_grad"] < 1e-5 and r["grads"] < 1e-5
         forward, backward = r["graphs"][0], r["graphs"][1]
-        ops = [[n.op_type for n in subgraph_from_json(t).nodes] for t in forward]
+        ops = [[n.op_type for n in subgraph_from_text(t).nodes] for t in forward]
         # Layer 0's gather takes what the norm computes after the rsqrt, which backward keeps.
         assert ops[0] == ["mul", "mul", "all_gather"]
         # wo and w2 of layer 0 and wo of layer 1: add + RMSNorm between scatter and gather, the
         # rsqrt exposed for backward; w2 of layer 1 ends in the final norm.
         assert ops[1:] == [["reduce_scatter", "add_rms_norm", "rms_rstd", "all_gather"]] * 3 + [
             ["reduce_scatter", "add_rms_norm", "rms_rstd"]]
-        back = [[n.op_type for n in subgraph_from_json(t).nodes] for t in backward]
+        back = [[n.op_type for n in subgraph_from_text(t).nodes] for t in backward]
         print(back)
         assert back, "the backward graph went through the pass"
     assert results[0]["graphs"] == results[1]["graphs"]

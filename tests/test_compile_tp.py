@@ -68,7 +68,7 @@ def tp_block_rank(rank, world):
     from torch._dynamo.utils import counters
 
     import infini_dist.compile as idc
-    from infini_dist.compile import runtime_op
+    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler import engine
     full, block, x = sharded_block(rank, world)
     # Fused choices win: a site decided native would be left to Inductor by the second compile
@@ -80,7 +80,7 @@ def tp_block_rank(rank, world):
         sites = list(idc.last_sites)
         replaced = idc.stats["sites"]
         decided = [(d["op"], d["choice"], d["source"]) for d in idc.decisions()]
-        executed = sorted({key[0] for key in runtime_op._EXECUTORS})  # the sites that ran
+        executed = sorted({text for text, _, _ in STORE.site_executors()})  # the sites that ran
         torch._dynamo.reset()  # compile again: Inductor's FX graph cache has it
         hits = counters["inductor"]["fxgraph_cache_hit"]
         again = idc.compile_model(block)(x)
@@ -92,12 +92,12 @@ def tp_block_rank(rank, world):
 
 
 def test_tp_llama_block_compiled_with_inductor(tmp_path):
-    from infini_dist.compile.runtime_op import subgraph_from_json
+    from infini_dist.scheduler.ir import subgraph_from_text
     results = run_ranks(tp_block_rank, 2, env=_env(tmp_path), timeout=240)
     for r in results:
         assert r["tp_vs_full"] < 1e-5  # the sharding itself is right
         assert r["replaced"] == 2  # wo and down: all_reduce -> add -> rms_norm each
-        subs = [subgraph_from_json(t) for t in r["sites"]]
+        subs = [subgraph_from_text(t) for t in r["sites"]]
         assert [[n.op_type for n in s.nodes] for s in subs] == [["all_reduce", "add_rms_norm"]] * 2
         # After attention both the norm and the residual sum are read; at the end only the norm.
         assert [len(s.output_names) for s in subs] == [2, 1]
@@ -136,10 +136,10 @@ def funcol_rank(rank, world):
 
 
 def test_funcol_prologue_and_relu_scale_compiled_with_inductor(tmp_path):
-    from infini_dist.compile.runtime_op import subgraph_from_json
+    from infini_dist.scheduler.ir import subgraph_from_text
     results = run_ranks(funcol_rank, 2, env=_env(tmp_path), timeout=180)
     for r in results:
-        (sub,) = [subgraph_from_json(t) for t in r["sites"]]
+        (sub,) = [subgraph_from_text(t) for t in r["sites"]]
         assert [n.op_type for n in sub.nodes] == ["relu", "scale", "all_reduce", "relu", "scale"]
         assert r["eager"] < 1e-6 and r["compiled"] < 1e-6
 
@@ -178,10 +178,10 @@ def backend_rank(rank, world):
 
 
 def test_backend_coalesces_and_obeys_the_flags(tmp_path):
-    from infini_dist.compile.runtime_op import subgraph_from_json
+    from infini_dist.scheduler.ir import subgraph_from_text
     results = run_ranks(backend_rank, 2, env=_env(tmp_path), timeout=180)
     for r in results:
-        (sub,) = [subgraph_from_json(t) for t in r["fused"]["sites"]]
+        (sub,) = [subgraph_from_text(t) for t in r["fused"]["sites"]]
         assert [n.op_type for n in sub.nodes] == ["all_reduce", "all_reduce", "add_rms_norm",
                                                   "swiglu"]
         # bf16 (8 bits): a rounding or two apart from eager, whichever choice was committed.

@@ -25,6 +25,7 @@ def _engine_rank(rank, world_size):
     import infini_dist
     from infini_dist import ops
     from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
 
     threads = []
     tune = engine.SiteRunner._tune
@@ -50,7 +51,8 @@ def _engine_rank(rank, world_size):
     finally:
         engine.SiteRunner._tune = tune
     gc.collect()
-    committed = [runner._committed for executor in ops._USED.values()
+    used = [STORE.entries[name].executor for name in ops.OP_NAMES]
+    committed = [runner._committed for executor in used if executor is not None
                  for runner in executor.site_runners()]
     return {"caller": threading.get_ident(), "tuned_on": threads,
             "alive": sum(r() is not None for r in refs), "refs": len(refs),

@@ -174,8 +174,8 @@ def compiled_native_rank(rank, world_size):
         engine.timing_hook = None
     (record,) = [d for d in idc.decisions() if d["op"] == "all_reduce+add+rms_norm"
                  or "rms_norm" in d["op"]]
-    from infini_dist.compile import runtime_op
-    runners = [r for e in runtime_op._EXECUTORS.values() for r in e.site_runners()]
+    from infini_dist.scheduler.store import STORE
+    runners = [r for _, _, e in STORE.site_executors() for r in e.site_runners()]
     committed = [c for r in runners for c in r._committed.values()]
     eager_out, eager_h = block(x, residual, weight)
     return {"record": record, "out": out, "again": again,

@@ -1,6 +1,6 @@
 """kernels/rms_norm_backward against torch autograd in float64: on the CPU through Triton's
 interpreter (interpreter_worker.py), and on a GPU where there is one. Also the eager op's
-backward (ops_autograd.add_rms_norm_backward) takes the kernel on CUDA and torch elsewhere.
+backward (scheduler/backward.add_rms_norm_backward) takes the kernel on CUDA and torch elsewhere.
 
 Tolerances: the kernel keeps fp32 inside and rounds each output once, so d h is compared at a
 few units in the last place of its dtype relative to the row's scale; d weight sums over rows in
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infini_dist.ops_autograd import add_rms_norm_backward
+from infini_dist.scheduler.backward import add_rms_norm_backward
 from interpreter_worker import call_kernel, run
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}

@@ -103,6 +103,7 @@ def bucket_rank(rank, world):
     from infini_dist.scheduler import engine
     from infini_dist.scheduler.cache import DECISIONS
     from infini_dist.scheduler.choices import register_algorithm
+    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler.torch_fused import TorchFusedAllReduce
 
     class RowsOf4(TorchFusedAllReduce):
@@ -120,7 +121,7 @@ def bucket_rank(rank, world):
     for tokens in (3, 4, 2, 4, 5, 8, 1, 6):
         out = _run_op(rank, world, tokens)
         seen.append((tokens, DECISIONS.misses, out))
-    runner = infini_dist.ops._USED["all_reduce_add_rms_norm"].site_runners()[0]
+    runner = STORE.entries["all_reduce_add_rms_norm"].executor.site_runners()[0]
     committed = {key[1][0][0]: choice.name for key, choice in runner._committed.items()}
     files = sorted(os.listdir(infini_dist.config.cache_dir))
     return seen, committed, files, runner.last_tuning

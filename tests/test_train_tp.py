@@ -56,13 +56,13 @@ def _local(t):
 def record_sites():
     """Every graph the pass rewrites in this process, as lists of IR op types per site."""
     from infini_dist.compile import backend, passes
-    from infini_dist.compile.runtime_op import subgraph_from_json
+    from infini_dist.scheduler.ir import subgraph_from_text
     graphs = []
     original = passes.fuse_sites
 
     def spy(graph, settings):
         texts = original(graph, settings)
-        graphs.append([[n.op_type for n in subgraph_from_json(t).nodes] for t in texts])
+        graphs.append([[n.op_type for n in subgraph_from_text(t).nodes] for t in texts])
         return texts
     passes.fuse_sites = backend.fuse_sites = spy
     return graphs

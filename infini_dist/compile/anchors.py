@@ -24,8 +24,8 @@ _ATTR_TYPES = (bool, int, float, str, type(None))
 
 
 @dataclass
-class IROp:
-    """One IR op found in the graph."""
+class FxOp:
+    """One IR op (scheduler/ir.py OpNode) as found in an FX graph: its FX values and nodes."""
     op_type: str
     inputs: list  # graph value per IR input
     outputs: list  # graph node carrying each IR output (None: nothing reads it)
@@ -65,7 +65,7 @@ def is_collective(node: fx.Node, custom: frozenset) -> bool:
     return False
 
 
-def collective_anchor(node: fx.Node) -> IROp | None:
+def collective_anchor(node: fx.Node) -> FxOp | None:
     """A functional all_reduce, reduce_scatter_tensor or all_gather_into_tensor (a sum where it
     reduces) whose result is only waited on, as its IR op."""
     if node.op != "call_function" or node.target not in COLLECTIVES:
@@ -85,10 +85,10 @@ def collective_anchor(node: fx.Node) -> IROp | None:
     waits = [users[0]]
     while len(waits[-1].users) == 1 and next(iter(waits[-1].users)).target is WAIT:
         waits.append(next(iter(waits[-1].users)))  # dynamo may wait again on the waited value
-    return IROp(op_type, [source], [waits[-1]], attrs, frozenset([node, *waits]))
+    return FxOp(op_type, [source], [waits[-1]], attrs, frozenset([node, *waits]))
 
 
-def custom_anchor(node: fx.Node, custom: frozenset) -> IROp | None:
+def custom_anchor(node: fx.Node, custom: frozenset) -> FxOp | None:
     """A call to a user op registered under its qualified name ('ns::op'). The engine calls
     implementations as fn(*tensors, **attrs), so every tensor argument must come first."""
     target = node.target
@@ -118,10 +118,10 @@ def custom_anchor(node: fx.Node, custom: frozenset) -> IROp | None:
     if len(schema.returns) != spec.num_outputs:
         return None
     if isinstance(value_of(node), torch.Tensor):
-        return IROp(schema.name, tensors, [node], attrs, frozenset((node,)))
+        return FxOp(schema.name, tensors, [node], attrs, frozenset((node,)))
     outputs = [None] * spec.num_outputs
     for user in node.users:
         if user.target is not operator.getitem or not isinstance(user.args[1], int):
             return None
         outputs[user.args[1]] = user
-    return IROp(schema.name, tensors, outputs, attrs, frozenset([node, *node.users]))
+    return FxOp(schema.name, tensors, outputs, attrs, frozenset([node, *node.users]))

@@ -2,7 +2,7 @@
 
 A site that commits `native` runs NCCL and the epilogue as Inductor compiles it, but inside our
 custom op: the op's dispatch costs host time (a host-bound training forward leaves the GPU idle
-for it: 150-450 us per site at 2048 tokens on 2xH200, docs/benchmarks.md), and the op boundary
+for it; docs/benchmarks.md has the measurements), and the op boundary
 keeps Inductor from fusing the epilogue with its neighbours. A site that commits a bare
 collective (our all-reduce, nothing fused) runs its chains in eager torch, one kernel per op,
 where Inductor would fuse them. Decisions are made at run time, so the pass cannot know them
@@ -21,14 +21,13 @@ different graphs would wait on each other's collectives).
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.fx as fx
 
-from infini_dist.compile import runtime_op
-from infini_dist.config import Settings
-from infini_dist.scheduler.choices import NATIVE, Choice
+from infini_dist.scheduler.choices import NATIVE
+from infini_dist.scheduler.op_registry import generation
+from infini_dist.scheduler.settings import Settings
+from infini_dist.scheduler.store import STORE, Decision
 
 
 def _example(node) -> torch.Tensor | None:
@@ -40,19 +39,14 @@ def _example(node) -> torch.Tensor | None:
     return None
 
 
-# Sites compiled with every dim a plain int: only their decisions change what the pass writes
-# (a symbolic token count has no bucket), so only theirs are worth compiling again for.
-STATIC_TEXTS: set[str] = set()
-
-
-def known_choice(text: str, inputs: list, settings: Settings) -> Choice | None:
-    """The choice site `text` (a single site), read from graph values `inputs`, committed for
+def known_choice(text: str, inputs: list, settings: Settings) -> Decision | None:
+    """What site `text` (a single site), read from graph values `inputs`, committed for
     their token bucket in this process, or None."""
     values = [_example(n) for n in inputs]
     if any(v is None for v in values):
         return None
-    STATIC_TEXTS.add(text)
-    executor = runtime_op.known_executor(text, settings)
+    STORE.note_static(text)  # only its decisions are worth compiling again for
+    executor = STORE.sites.get((text, settings, generation()))
     if executor is None:
         return None
     runners = executor.site_runners()
@@ -61,23 +55,10 @@ def known_choice(text: str, inputs: list, settings: Settings) -> Choice | None:
     return runners[0].decided(dict(zip(executor.graph.input_names, values)))
 
 
-def is_native(choice: Choice | None) -> bool:
+def is_native(choice: Decision | None) -> bool:
     return choice is not None and choice.name == NATIVE
 
 
-def fuses_nothing(choice: Choice | None) -> bool:
+def fuses_nothing(choice: Decision | None) -> bool:
     """Native, or a collective of ours with every other op of the site run in eager torch."""
     return choice is not None and choice.fuses_nothing
-
-
-def state(static_only: bool = False) -> str:
-    """Digest of the decisions that change what the pass writes (native, or fusing nothing):
-    part of the pass's uuid, so Inductor's FX graph cache keeps graphs compiled before and after
-    them apart. Fused decisions change nothing: graphs cached before them still hit.
-    `static_only`: of sites compiled with static shapes alone (compile/recompile.py)."""
-    parts = sorted((text, repr(bucket), choice.name)
-                   for text, executor in runtime_op.known_executors()
-                   if not static_only or text in STATIC_TEXTS
-                   for runner in executor.site_runners()
-                   for bucket, choice in runner.decided_buckets().items() if fuses_nothing(choice))
-    return hashlib.sha256(repr(parts).encode()).hexdigest()

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from infini_dist.config import Settings
+from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler import op_registry
 from infini_dist.compile import fx_patterns
-from infini_dist.compile.anchors import IROp, collective_anchor, is_collective, is_tensor, value_of
+from infini_dist.compile.anchors import FxOp, collective_anchor, is_collective, is_tensor, value_of
 from infini_dist.compile.matmul_match import matmul_producer
 
 @dataclass
@@ -80,7 +80,7 @@ def _key(node):
     return (val.dtype, val.dim(), val.device.type)
 
 
-def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> IROp | None:
+def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> FxOp | None:
     """The IR op for a match; a commutative op takes `first` as its first input. The IR refs
     round to input 0's dtype, so the graph's result must have that dtype."""
     inputs = list(match.inputs)
@@ -93,7 +93,7 @@ def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> IROp | None:
         return None
     if any(value_of(n).dtype != dtype for i, n in enumerate(inputs) if i not in match.form.vectors):
         return None  # a norm's weight may have its own dtype
-    return IROp(match.form.op_type, inputs, [match.root, *match.further], dict(match.attrs),
+    return FxOp(match.form.op_type, inputs, [match.root, *match.further], dict(match.attrs),
                 match.nodes)
 
 
@@ -106,7 +106,7 @@ def _best(found: list) -> tuple | None:
     return None
 
 
-def _prologue(anchor: IROp, region: frozenset, depth: int, matmul: bool) -> list:
+def _prologue(anchor: FxOp, region: frozenset, depth: int, matmul: bool) -> list:
     """The anchor's prologue chain, producer first; `matmul`: it may start with the matmul
     that produces the anchor's partial sums (config.matmul_prologue)."""
     position = op_registry.PROLOGUE_POSITION[anchor.op_type]
@@ -158,7 +158,7 @@ def _candidates(live: set, region: frozenset, reach: int) -> set:
     return found
 
 
-def _epilogue_op(g: GraphIndex, match, live: set, region: frozenset) -> IROp | None:
+def _epilogue_op(g: GraphIndex, match, live: set, region: frozenset) -> FxOp | None:
     """The IR op for an epilogue match: it reads a live value where the op allows one, and its
     other inputs exist without the site."""
     if match.nodes & region:
@@ -177,7 +177,7 @@ def _epilogue_op(g: GraphIndex, match, live: set, region: frozenset) -> IROp | N
     return _ir_op(match, next(n for n in match.inputs if n in live))
 
 
-def _exposed_op(match) -> IROp | None:
+def _exposed_op(match) -> FxOp | None:
     """The IR op for the interior value a match exposes: the norm's fp32 rsqrt, one per row.
     It replaces no node of its own (the norm's op does) and only names that node's value."""
     op_type, _ = match.form.exposable
@@ -185,7 +185,7 @@ def _exposed_op(match) -> IROp | None:
     if (not isinstance(value, torch.Tensor) or value.dtype != torch.float32
             or tuple(value.shape) != tuple(source.shape[:-1]) + (1,)):
         return None
-    return IROp(op_type, [match.inputs[0]], [match.exposed], {"eps": match.attrs["eps"]},
+    return FxOp(op_type, [match.inputs[0]], [match.exposed], {"eps": match.attrs["eps"]},
                 frozenset())
 
 
@@ -210,7 +210,7 @@ def _epilogue(g: GraphIndex, site: FxSite, depth: int) -> None:
         match, op = best
         if _folds_into(site.epilogue, match):
             add = site.epilogue.pop()
-            op = IROp("add_rms_norm", [add.inputs[0], add.inputs[1], op.inputs[1]],
+            op = FxOp("add_rms_norm", [add.inputs[0], add.inputs[1], op.inputs[1]],
                       [op.outputs[0], add.outputs[0]], op.attrs, add.nodes | op.nodes)
         site.epilogue.append(op)
         if match.exposed is not None:
@@ -261,7 +261,7 @@ def _next_collective(g: GraphIndex, after: fx.Node):
     return None
 
 
-def _coalesce(g: GraphIndex, first: IROp) -> list:
+def _coalesce(g: GraphIndex, first: FxOp) -> list:
     """`first` and the all_reduces right after it on the same group that can run with it: their
     inputs do not depend on the group so far, and nothing reads the group's results before."""
     group = [first]
@@ -298,7 +298,7 @@ def _fits(g: GraphIndex, site: FxSite) -> bool:
                    for n in g.nodes[first + 1:last])
 
 
-def find_site(g: GraphIndex, anchor: IROp, settings: Settings) -> FxSite:
+def find_site(g: GraphIndex, anchor: FxOp, settings: Settings) -> FxSite:
     """The site around `anchor`, as large as the flags allow and the graph permits."""
     types = settings.custom_op_fusion_types
     depth = settings.max_fusion_depth

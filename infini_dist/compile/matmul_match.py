@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from infini_dist.compile.anchors import IROp, is_tensor, value_of
+from infini_dist.compile.anchors import FxOp, is_tensor, value_of
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -64,7 +64,7 @@ def _gemm(node):
     return None
 
 
-def matmul_producer(value, consumers: frozenset) -> IROp | None:
+def matmul_producer(value, consumers: frozenset) -> FxOp | None:
     """The matmul whose result is `value`, read only by `consumers` (the anchor's nodes), as
     an IR op; None where `value` is no such matmul."""
     if not _private(value, consumers) or not is_tensor(value):
@@ -103,4 +103,4 @@ def matmul_producer(value, consumers: frozenset) -> IROp | None:
             or any(value_of(t).dtype != dtype for t in tensors) or value_of(w).dim() != 2
             or (bias is not None and not _same(_shape(bias), _shape(value)[-1:]))):
         return None  # a bias over rows too (addmm's broadcast) is no linear's bias
-    return IROp("matmul", tensors, [value], {"transpose_weight": transpose}, frozenset(nodes))
+    return FxOp("matmul", tensors, [value], {"transpose_weight": transpose}, frozenset(nodes))

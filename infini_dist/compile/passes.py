@@ -34,9 +34,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import infini_dist
 import infini_dist.kernels.epilogue
-from infini_dist.compile import anchors, decided, matching, runtime_op
-from infini_dist.config import Settings
-from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.compile import anchors, decided, matching
+from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
+from infini_dist.scheduler.ir import OpNode, SubGraph, subgraph_from_text
+from infini_dist.scheduler.settings import Settings
+from infini_dist.scheduler.store import STORE
 
 log = logging.getLogger("infini_dist")
 
@@ -121,7 +123,7 @@ def _fake_outputs(inputs: list, text: str) -> list:
         return list(torch.ops.infini_dist.fused_site.default(values, text))
 
 
-def _known_site(index: matching.GraphIndex, anchor: anchors.IROp, settings: Settings):
+def _known_site(index: matching.GraphIndex, anchor: anchors.FxOp, settings: Settings):
     """(site, text, inputs, outputs) to replace around `anchor`, its collective alone where the
     whole site is decided native or fuses nothing (compile/decided.py); text None: decided
     native, leave it to Inductor."""
@@ -188,7 +190,7 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
 
 
 def _summary(text: str) -> str:
-    sub = runtime_op.subgraph_from_json(text)
+    sub = subgraph_from_text(text)
     return "+".join(node.op_type for node in sub.nodes)
 
 
@@ -202,7 +204,7 @@ class FusionPass(CustomGraphPass):
     def uuid(self) -> str:
         flags = {name: getattr(infini_dist.config, name) for name in _UUID_FLAGS}
         payload = repr((infini_dist.__version__, _source_hash(), sorted(flags.items()),
-                        sorted(anchors.anchor_names()), decided.state()))
+                        sorted(anchors.anchor_names()), STORE.digest()))
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def __repr__(self):

@@ -1,9 +1,9 @@
 """Compiled code that compiles itself again once its sites have decided (compile_model).
 
 Code compiled before a site decides runs the site through our op whatever it decides. Decided
-native there, the site costs NCCL plus a Dynamo-compiled epilogue called from Python: about
-250 us of host time per site and call more than Inductor's own code on an H100 host
-(docs/benchmarks.md), and an op boundary Inductor cannot fuse across. Compiled again, the pass
+native there, the site costs NCCL plus a Dynamo-compiled epilogue called from Python: more
+host time per site and call than Inductor's own code (docs/benchmarks.md has the figures), and
+an op boundary Inductor cannot fuse across. Compiled again, the pass
 leaves such a site to Inductor (compile/decided.py). So what compile_model returns drops its
 compiled code at its first call after a compiled site of this process commits a choice that
 fuses nothing, and Dynamo compiles it anew; at most MAX_RECOMPILES times, since a server meets
@@ -24,21 +24,20 @@ import functools
 import torch
 from torch._dynamo.eval_frame import OptimizedModule, remove_from_cache
 
-from infini_dist.compile import decided
-from infini_dist.scheduler import engine
+from infini_dist.scheduler.store import STORE
 
 MAX_RECOMPILES = 4
 
 
 def _should_drop(state: dict) -> bool:
-    seen = engine.FUSES_NOTHING[0]  # one int compare per call; the digest only on a change
+    seen = STORE.version  # one int compare per call; the digest only on a change
     if seen == state["seen"] or state["recompiles"] >= MAX_RECOMPILES:
         return False
     if torch.compiler.is_compiling() or (torch.cuda.is_available()
                                          and torch.cuda.is_current_stream_capturing()):
         return False  # called from inside other compiled code or a capture: next time
     state["seen"] = seen
-    digest = decided.state(static_only=True)
+    digest = STORE.digest(static_only=True)
     if digest == state["digest"]:
         return False  # decisions of dynamic-shape sites: compiling again would change nothing
     state["digest"] = digest
@@ -58,7 +57,7 @@ class RecompilingModule(OptimizedModule):
 
 def recompiling(compiled, original):
     """`compiled` (torch.compile of `original`) made to recompile as decisions come."""
-    state = {"seen": engine.FUSES_NOTHING[0], "digest": decided.state(static_only=True),
+    state = {"seen": STORE.version, "digest": STORE.digest(static_only=True),
              "recompiles": 0}
     if isinstance(compiled, OptimizedModule):
         compiled.__class__ = RecompilingModule

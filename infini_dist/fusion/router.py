@@ -336,8 +336,8 @@ class FusionScheduler:
         return {name: env[name] for name in graph.output_names}
 
     def _run_fused(self, entry: _Entry, graph: SubGraph, inputs: dict, group) -> dict:
-        from infini_dist.scheduler.cache import DECISIONS
-        before = (DECISIONS.hits, DECISIONS.misses)
+        from infini_dist.scheduler.store import STORE
+        before = (STORE.records.hits, STORE.records.misses)
         try:
             outputs = entry.executor.run(inputs, group)
         except (ControlPlaneError, engine.TuningError):
@@ -355,7 +355,7 @@ class FusionScheduler:
             self._bump("fallbacks")
             return self._run_unfused(graph, inputs, group)
         if self.config.debug_mode:
-            hits, misses = DECISIONS.hits - before[0], DECISIONS.misses - before[1]
+            hits, misses = STORE.records.hits - before[0], STORE.records.misses - before[1]
             if misses:
                 self._debug("tuned (compiled and benchmarked) %d site(s) of graph %s", misses,
                             graph.signature()[:12])

@@ -22,8 +22,8 @@ pre-satisfied, which compiles the Triton kernel with no cross-rank traffic.
 
 A runner launches through `PreparedLaunch` (symm_launch.py): everything but the tensors is bound once per
 (plan, buffer), and after its first call the compiled kernel is launched directly
-(`nt_runtime.FastLaunch`): ~75 -> ~10 us of Python per eager call on our CPU machine
-(launch stubbed; docs/notes_symm.md, "Host launch overhead").
+(`nt_runtime.FastLaunch`), which cuts most of the Python from each eager call
+(docs/notes_symm.md, "Host launch overhead", has the figures).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from infini_dist.scheduler.choices import Algorithm
 ONE_SHOT_MAX_BYTES = 8 << 20   # past this every rank moving the whole tensor W times loses
 TWO_SHOT_MAX_BYTES = 1 << 30
 # A Lamport two-shot buffer holds four copies of the tensor (two halves of staging + gathered),
-# and polling plus emptying cost more than two barriers once the tensor is large (4 H200s,
-# x 4096 bf16: 12.6 vs 15.5 us at 128 tokens, 63.7 vs 56.5 at 1024, 512 vs 365 at 8192).
+# and polling plus emptying cost more than two barriers once the tensor is large (measured on
+# 4 H200s with 4096-wide bf16 rows: Lamport wins at small token counts, loses at large ones).
 LAMPORT_TWO_SHOT_MAX_BYTES = 8 << 20
 # Its buffer holds 4 copies of the tensor; beyond this the barrier two-shot's one copy wins.
 POLLED_GATHER_MAX_BYTES = 64 << 20

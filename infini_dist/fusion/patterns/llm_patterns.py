@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import numbers
 
-from infini_dist.kernels.chain import GELU_APPROXIMATIONS
 from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.op_registry import attr_choices
 
 
 def _real(name: str, value) -> float:
@@ -50,8 +50,9 @@ def create_add_rms_norm_pattern(eps: float = 1e-6) -> SubGraph:
 
 def create_gelu_pattern(approximate: str = "none") -> SubGraph:
     """x -> output = gelu(x), exact ("none") or the tanh approximation ("tanh")."""
-    if approximate not in GELU_APPROXIMATIONS:
-        raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+    approximations = attr_choices("gelu", "approximate")
+    if approximate not in approximations:
+        raise ValueError(f"approximate must be one of {approximations}, got {approximate!r}")
     return SubGraph((OpNode("gelu", ("x",), ("output",), {"approximate": approximate}),),
                     ("x",), ("output",))
 
