@@ -44,20 +44,44 @@ def _start(home: str) -> None:
     torch.set_num_threads(1)
 
 
+def kill_workers(pool) -> None:
+    """Kill `pool`'s processes now: a task stuck in one (a kernel that never returns) would
+    otherwise hold every later task and the pool's shutdown, and so the test session. The pool
+    is broken afterwards: later submits fail at once."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+
+
 @contextlib.contextmanager
-def interpreter_pool(home: str):
-    os.makedirs(home, exist_ok=True)
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start, initargs=(str(home),))
+def closing_pool(pool):
+    """`pool` for a with-block: shut down at its end; where the block raised (a test's time
+    limit, a result that timed out), its workers are killed first instead of waited for."""
     try:
         yield pool
-    finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    except BaseException:  # also a time limit that fires while the shutdown waits
+        kill_workers(pool)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+
+
+def interpreter_pool(home: str):
+    os.makedirs(home, exist_ok=True)
+    return closing_pool(ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
+        initargs=(str(home),)))
 
 
 def run(pool, fn, *args, timeout: float = 300.0, **kwargs):
-    """fn(*args, **kwargs) in the interpreter process; its exceptions re-raise here."""
-    return pool.submit(fn, *args, **kwargs).result(timeout=timeout)
+    """fn(*args, **kwargs) in the interpreter process; its exceptions re-raise here. Past
+    `timeout`, or when the test is stopped meanwhile, the worker is killed (see kill_workers)."""
+    future = pool.submit(fn, *args, **kwargs)
+    try:
+        return future.result(timeout=timeout)
+    except BaseException:
+        if not future.done():
+            kill_workers(pool)
+        raise
 
 
 def call_kernel(module: str, function: str, *args, **kwargs):

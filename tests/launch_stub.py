@@ -14,6 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from infini_dist.scheduler.choices import RunContext
+from interpreter_worker import closing_pool
 from symm_cases import build, full_span, meta_of
 
 SYMM_CASES = [("one_shot", "add_rms_norm", (3, 40), torch.float32),
@@ -140,8 +141,9 @@ def _stub_start(home, record):
 
 
 def stub_pool(home, record=True):
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_stub_start, initargs=(home, record))
+    return closing_pool(ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_stub_start,
+        initargs=(home, record)))
 
 
 def _described(launch, names: dict) -> tuple:
@@ -187,5 +189,6 @@ def _compile_start(home):
 
 
 def compile_pool(home):
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_compile_start, initargs=(home,))
+    return closing_pool(ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_compile_start, initargs=(home,)))

@@ -134,9 +134,10 @@ def _stub_kept_tensors():
 
 
 def test_cached_launchers_keep_no_tensor_of_their_calls(tmp_path):
+    from interpreter_worker import run as run_in_pool
     from launch_stub import chain_cases, stub_pool
     with stub_pool(str(tmp_path / "home"), record=False) as pool:
-        report = pool.submit(_stub_kept_tensors).result(timeout=300)
+        report = run_in_pool(pool, _stub_kept_tensors)
     assert len(report) == 4 + len(chain_cases()) + 1, report
     for what, alive, tracked, fast in report:
         assert tracked > 0 and alive == 0, (what, alive, tracked)

@@ -23,6 +23,7 @@ from infini_dist.scheduler.choices import RunContext
 from launch_stub import (CURRENT_DEVICE, LAUNCHES, NORMAL_RUNS, SYMM_CASES, chain_cases,
                          chain_inputs, launch_names, stub_pool, stub_symm_case, symm_algorithm,
                          symm_plan, take_launch)
+from interpreter_worker import run as run_in_pool
 from symm_cases import make_inputs
 
 def _stub_symm_checks():
@@ -203,11 +204,11 @@ def _assert_checks(checks):
 
 
 def test_symm_fast_path_hands_the_launcher_what_the_normal_path_does(stub):
-    _assert_checks(stub.submit(_stub_symm_checks).result(timeout=300))
+    _assert_checks(run_in_pool(stub, _stub_symm_checks))
 
 
 def test_chain_fast_path_hands_the_launcher_what_the_normal_path_does(stub):
-    _assert_checks(stub.submit(_stub_chain_checks).result(timeout=300))
+    _assert_checks(run_in_pool(stub, _stub_chain_checks))
 
 
 if __name__ == "__main__":
