@@ -1,6 +1,7 @@
 """Anchors in a post-grad FX graph: the functional collectives (all_reduce, reduce_scatter,
 all_gather, each with its wait) and calls to user ops registered with infini_dist, as IR ops.
-compile/matching grows a site around each."""
+compile/passes hands each to the module of its kind, which grows its site (all_reduce_match,
+scatter_gather_match; compile/matching has the walk they share)."""
 
 from __future__ import annotations
 

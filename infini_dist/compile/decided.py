@@ -55,10 +55,15 @@ def known_choice(text: str, inputs: list, settings: Settings) -> Decision | None
     return runners[0].decided(dict(zip(executor.graph.input_names, values)))
 
 
-def is_native(choice: Decision | None) -> bool:
-    return choice is not None and choice.name == NATIVE
-
-
-def fuses_nothing(choice: Decision | None) -> bool:
-    """Native, or a collective of ours with every other op of the site run in eager torch."""
-    return choice is not None and choice.fuses_nothing
+def written(forms: list, settings: Settings) -> tuple[int, bool]:
+    """Which form of a site the pass writes, and whether that one is decided native (left to
+    Inductor). `forms`: (text, inputs) of the whole site, then, if it has more than its anchor,
+    of its collective alone. The whole site is written unless it was decided to fuse nothing
+    (native, or a collective of ours with every other op of the site run in eager torch); then
+    its collective alone, whose own decision counts."""
+    choice = known_choice(*forms[0], settings)
+    index = 0
+    if choice is not None and choice.fuses_nothing and len(forms) > 1:
+        index = 1
+        choice = known_choice(*forms[1], settings)
+    return index, choice is not None and choice.name == NATIVE

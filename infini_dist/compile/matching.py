@@ -1,17 +1,21 @@
-"""Finding sites in a post-grad FX graph.
+"""The walk every site shares in a post-grad FX graph: an anchor's prologue and epilogue chains,
+and trimming the site until it can be one op.
 
 A site is an anchor (a functional all_reduce, reduce_scatter or all_gather with its wait, or a
 call to a user op registered with infini_dist) plus what may fuse with it, in IR ops:
 
     prologue: producers that feed only the collective (walked back along input 0): elementwise
               ops before a reduction, norms too before an all_gather (they run on whole rows);
-              with config.matmul_prologue, before an all_reduce, the matmul that produces its
-              partial sums as the chain's head (compile/matmul_match.py)
+              a chain may start with a head the anchor's kind allows (an all_reduce's matmul)
     anchors:  the collective, or several adjacent independent all_reduces on one group
     epilogue: the ops after it that read the site's values, in graph order; their other inputs
-              must not depend on the site. After a reduce_scatter, an all_gather of an epilogue
-              value on the same group closes the span (sequence parallelism's norm between a
-              row-parallel and a column-parallel linear)
+              must not depend on the site
+
+What one anchor kind adds lives with that kind, pattern and replacement side by side:
+compile/all_reduce_match.py (coalescing, the matmul head of compile/matmul_match.py) and
+compile/scatter_gather_match.py (the all_gather that closes a reduce_scatter's span, no epilogue
+after an all_gather). A registered user op's site is this walk alone (`find_site` here). Each
+kind module composes `with_prologues`, `grow_epilogue` and `trim`; none of them calls back.
 
 The whole site becomes one op placed after its last compute node, so the site is trimmed (last
 epilogue op first, then the last coalesced anchor) until every value read outside it is read
@@ -28,8 +32,7 @@ import torch.fx as fx
 from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler import op_registry
 from infini_dist.compile import fx_patterns
-from infini_dist.compile.anchors import FxOp, collective_anchor, is_collective, is_tensor, value_of
-from infini_dist.compile.matmul_match import matmul_producer
+from infini_dist.compile.anchors import FxOp, is_collective, is_tensor, value_of
 
 @dataclass
 class FxSite:
@@ -106,11 +109,10 @@ def _best(found: list) -> tuple | None:
     return None
 
 
-def _prologue(anchor: FxOp, region: frozenset, depth: int, matmul: bool) -> list:
-    """The anchor's prologue chain, producer first; `matmul`: it may start with the matmul
-    that produces the anchor's partial sums (config.matmul_prologue)."""
+def _prologue(anchor: FxOp, region: frozenset, depth: int, head) -> list:
+    """The anchor's prologue chain, producer first; `head(value, consumers)`, if given: the op
+    that may start the chain where no elementwise op matches (all_reduce_match: the matmul)."""
     position = op_registry.PROLOGUE_POSITION[anchor.op_type]
-    matmul = matmul and anchor.op_type in op_registry.MATMUL_ANCHORS
     chain: list = []
     consumer_nodes = anchor.nodes
     value = anchor.inputs[0]
@@ -130,7 +132,7 @@ def _prologue(anchor: FxOp, region: frozenset, depth: int, matmul: bool) -> list
                 found.append(match)
         match = max(found, key=lambda m: len(m.nodes), default=None)
         if match is None:
-            op = matmul_producer(value, consumer_nodes) if matmul else None
+            op = head(value, consumer_nodes) if head is not None else None
             if op is not None and not op.nodes & region:
                 chain.append(op)  # the chain's head: nothing before a GEMM joins the site
             break
@@ -236,50 +238,7 @@ def _folds_into(epilogue: list, match) -> bool:
             and epilogue[-1].op_type == "add" and match.inputs[0] is epilogue[-1].outputs[0])
 
 
-def _gather_tail(site: FxSite) -> None:
-    """A reduce_scatter's epilogue whose value is all-gathered over the same group: the gather
-    closes the span (sequence parallelism's reduce_scatter -> add + RMSNorm -> all_gather)."""
-    anchor = site.anchors[0]
-    if anchor.op_type != "reduce_scatter" or not site.epilogue:
-        return
-    live = [n for op in site.epilogue for n in op.outputs if n is not None]
-    for value in live:
-        for user in value.users:
-            gather = collective_anchor(user)
-            if (gather is not None and gather.op_type == "all_gather"
-                    and gather.attrs["group_name"] == anchor.attrs["group_name"]):
-                site.epilogue.append(gather)
-                return
-
-
-# ---- coalescing and placement --------------------------------------------------------------------
-
-def _next_collective(g: GraphIndex, after: fx.Node):
-    for node in g.nodes[g.order[after] + 1:]:
-        if is_collective(node, g.custom):
-            return node
-    return None
-
-
-def _coalesce(g: GraphIndex, first: FxOp) -> list:
-    """`first` and the all_reduces right after it on the same group that can run with it: their
-    inputs do not depend on the group so far, and nothing reads the group's results before."""
-    group = [first]
-    node = next(iter(first.nodes - first.projections))
-    while True:
-        node = _next_collective(g, node)
-        candidate = collective_anchor(node) if node is not None else None
-        if (candidate is None or candidate.op_type != "all_reduce"
-                or candidate.attrs != first.attrs):
-            return group
-        region = frozenset(n for a in group for n in a.nodes)
-        if g.depends_on(candidate.inputs[0], region):
-            return group
-        readers = [u for a in group for out in a.outputs for u in out.users]
-        if any(g.order[u] <= g.order[node] for u in readers):
-            return group
-        group.append(candidate)
-
+# ---- placement and assembly ---------------------------------------------------------------------
 
 def insertion_point(g: GraphIndex, site: FxSite) -> fx.Node:
     compute = [n for op in site.ops for n in op.nodes - op.projections]
@@ -298,24 +257,29 @@ def _fits(g: GraphIndex, site: FxSite) -> bool:
                    for n in g.nodes[first + 1:last])
 
 
-def find_site(g: GraphIndex, anchor: FxOp, settings: Settings) -> FxSite:
-    """The site around `anchor`, as large as the flags allow and the graph permits."""
+def with_prologues(anchors: list, settings: Settings, head=None) -> FxSite:
+    """A site of `anchors` (one, or an all_reduce's coalesced group), each with its prologue
+    chain where its kind has a prologue position and the flags allow one; `head` as `_prologue`
+    takes it."""
     types = settings.custom_op_fusion_types
-    depth = settings.max_fusion_depth
-    is_all_reduce = anchor.op_type == "all_reduce"
-    anchors = _coalesce(g, anchor) if is_all_reduce and "cross_subgraph" in types else [anchor]
     region = frozenset(n for a in anchors for n in a.nodes)
     prologue_of = []
-    with_prologue = anchor.op_type in op_registry.PROLOGUE_POSITION and "prologue" in types
+    with_prologue = anchors[0].op_type in op_registry.PROLOGUE_POSITION and "prologue" in types
     for a in anchors:
-        chain = _prologue(a, region, depth, settings.matmul_prologue) if with_prologue else []
+        chain = _prologue(a, region, settings.max_fusion_depth, head) if with_prologue else []
         prologue_of.append(chain)
         region = region | frozenset(n for op in chain for n in op.nodes)
-    site = FxSite(anchors, prologue_of)
-    # A gather's result is a whole tensor for the next column-parallel matmul: no epilogue.
-    if "epilogue" in types and depth > 0 and anchor.op_type != "all_gather":
-        _epilogue(g, site, depth)
-        _gather_tail(site)
+    return FxSite(anchors, prologue_of)
+
+
+def grow_epilogue(g: GraphIndex, site: FxSite, settings: Settings) -> None:
+    """The site's epilogue, as deep as the flags allow."""
+    if "epilogue" in settings.custom_op_fusion_types and settings.max_fusion_depth > 0:
+        _epilogue(g, site, settings.max_fusion_depth)
+
+
+def trim(g: GraphIndex, site: FxSite) -> FxSite:
+    """`site` made to fit in one op: last epilogue op first, then the last coalesced anchor."""
     while not _fits(g, site):
         if site.epilogue:
             _pop_epilogue(site)
@@ -325,3 +289,23 @@ def find_site(g: GraphIndex, anchor: FxOp, settings: Settings) -> FxSite:
         else:
             raise AssertionError("infini_dist: a lone anchor must always fit")  # by construction
     return site
+
+
+def bare_site(anchor: FxOp) -> FxSite:
+    """The anchor alone: the site a decision that fuses nothing leaves (compile/decided.py). It
+    always fits: its one compute node is the anchor, and its outputs are read after it."""
+    return FxSite([anchor], [[]])
+
+
+# ---- a registered user op's site -----------------------------------------------------------------
+
+# A user op alone is still ours: the engine chooses among its implementations.
+RUNS_ALONE = True
+
+
+def find_site(g: GraphIndex, anchor: FxOp, settings: Settings) -> FxSite:
+    """The site around a registered user op: its epilogue (the registry gives user ops no
+    prologue position), nothing of a collective's own."""
+    site = with_prologues([anchor], settings)
+    grow_epilogue(g, site, settings)
+    return trim(g, site)

@@ -1,4 +1,5 @@
-"""The matmul that produces an all_reduce's input, as the IR op `matmul` (config.matmul_prologue).
+"""The matmul that produces an all_reduce's input, as the IR op `matmul` (config.matmul_prologue):
+compile/all_reduce_match.py makes it the head of the all_reduce's prologue chain.
 
 One matcher for every spelling a row-parallel projection takes in a post-grad graph (vLLM
 matches its GEMM + all_reduce fusion the same way, over the aten ops rather than traced forms):

@@ -1,27 +1,25 @@
 """The post-grad pass: every all_reduce, reduce_scatter and all_gather (and registered user op)
-with its chains -> one `infini_dist.fused_site` call. A reduce_scatter whose epilogue value is
-all-gathered (sequence parallelism) is one site with its gather.
+with its chains -> one `infini_dist.fused_site` call.
 
-Pattern (post-grad FX, after Inductor's decompositions):
+For each anchor (compile/anchors.py), in one direction:
 
-    r = _c10d_functional.all_reduce(p, "sum", group); w = wait_tensor(r)
-    h = w + residual; out = <rms_norm decomposed: pow, mean, add, rsqrt, mul, converts> * weight
-
-Replacement:
-
-    out, h = infini_dist.fused_site([p, residual, weight], '<SubGraph: all_reduce -> add_rms_norm>')
+  1. match: the anchor kind's module grows its site (compile/all_reduce_match.py,
+     compile/scatter_gather_match.py; a registered user op's site is compile/matching.py's shared
+     walk alone). Each module shows its pattern and replacement side by side.
+  2. decide: a graph compiled after its sites decided in this process follows the decisions
+     (compile/decided.py): a site decided native is left as it is, one decided native or fusing
+     nothing becomes its collective alone.
+  3. replace: the site becomes one `fused_site` call reading the site's inputs, named by its
+     SubGraph text, unless its kind has nothing of its own for the anchor alone.
 
 The engine turns that SubGraph into its choices (fused kernels at each depth, and `native`:
 NCCL + the epilogue as Inductor compiles it) and commits the fastest across the group at run
-time, native unless a fused choice beats it by `fusion_speedup_threshold`. A graph compiled after
-its sites decided in this process follows the decisions (compile/decided.py): a site decided
-native is left as it is, one decided native or fusing nothing becomes its collective alone.
+time, native unless a fused choice beats it by `fusion_speedup_threshold`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -34,7 +32,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import infini_dist
 import infini_dist.kernels.epilogue
-from infini_dist.compile import anchors, decided, matching
+from infini_dist.compile import all_reduce_match, anchors, decided, matching
+from infini_dist.compile import scatter_gather_match
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
 from infini_dist.scheduler.ir import OpNode, SubGraph, subgraph_from_text
 from infini_dist.scheduler.settings import Settings
@@ -46,6 +45,11 @@ log = logging.getLogger("infini_dist")
 # Inductor's code (decided native before the graph compiled: compile/decided.py).
 stats: collections.Counter = collections.Counter()
 last_sites: list = []  # the SubGraph text of each site the latest call replaced
+
+# anchor IR op -> the module that matches its sites; any other (a registered user op): the shared
+# walk alone. Each has find_site(index, anchor, settings) and RUNS_ALONE.
+_KINDS = {op_type: kind for kind in (all_reduce_match, scatter_gather_match)
+          for op_type in kind.OP_TYPES}
 
 _UUID_FLAGS = ("enable_custom_op_fusion", "custom_op_fusion_types", "enable_recursive_fusion",
                "max_fusion_depth", "matmul_prologue")
@@ -123,29 +127,20 @@ def _fake_outputs(inputs: list, text: str) -> list:
         return list(torch.ops.infini_dist.fused_site.default(values, text))
 
 
-def _known_site(index: matching.GraphIndex, anchor: anchors.FxOp, settings: Settings):
-    """(site, text, inputs, outputs) to replace around `anchor`, its collective alone where the
-    whole site is decided native or fuses nothing (compile/decided.py); text None: decided
-    native, leave it to Inductor."""
-    site = matching.find_site(index, anchor, settings)
-    sub, inputs, outputs = to_subgraph(site)
-    choice = decided.known_choice(sub.canonical(), inputs, settings)
-    if decided.fuses_nothing(choice) and len(site.ops) > 1:
-        site = matching.find_site(index, anchor, dataclasses.replace(
-            settings, custom_op_fusion_types=(), max_fusion_depth=0))
-        sub, inputs, outputs = to_subgraph(site)
-        choice = decided.known_choice(sub.canonical(), inputs, settings)
-    if decided.is_native(choice):
+def _to_write(site: matching.FxSite, settings: Settings):
+    """(site, text, inputs, outputs) to write: `site`, or its collective alone where the whole
+    site was decided to fuse nothing (compile/decided.py); text None: decided native, leave it
+    to Inductor."""
+    forms = [site] if len(site.ops) == 1 else [site, matching.bare_site(site.anchors[0])]
+    subs = [to_subgraph(form) for form in forms]
+    index, native = decided.written([(sub.canonical(), inputs) for sub, inputs, _ in subs],
+                                    settings)
+    site, (sub, inputs, outputs) = forms[index], subs[index]
+    if native:
         log.info("infini_dist: site %s is decided native; left to Inductor",
                  _summary(sub.canonical()))
         return site, None, inputs, outputs
     return site, sub.canonical(), inputs, outputs
-
-
-def _bare_nccl_only(site: matching.FxSite) -> bool:
-    """A reduce_scatter or all_gather with nothing to fuse: we have no kernel of our own for
-    either alone, so the site could only run NCCL, as Inductor does without the dispatch."""
-    return len(site.ops) == 1 and site.anchors[0].op_type in ("reduce_scatter", "all_gather")
 
 
 def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
@@ -170,8 +165,9 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
         if found is None:
             break
         index = matching.GraphIndex(graph, custom)
-        site, text, inputs, outputs = _known_site(index, found, settings)
-        if text is not None and _bare_nccl_only(site):
+        kind = _KINDS.get(found.op_type, matching)
+        site, text, inputs, outputs = _to_write(kind.find_site(index, found, settings), settings)
+        if text is not None and len(site.ops) == 1 and not kind.RUNS_ALONE:
             skipped.add(node)  # nothing of ours could run it: Inductor's own code, no dispatch
             continue
         if text is None:

@@ -1,0 +1,58 @@
+"""reduce_scatter and all_gather sites: what these anchors add to the shared walk
+(compile/matching.py). Sequence parallelism puts them around the norm between a row-parallel and
+a column-parallel linear.
+
+Pattern (post-grad FX):
+
+    s = reduce_scatter_tensor(p, "sum", n, group); w = wait_tensor(s)
+    h = w + residual; y = <rms_norm decomposed> * weight
+    g = all_gather_into_tensor(y, n, group); out = wait_tensor(g)
+
+  - after a reduce_scatter, an all_gather of an epilogue value on the same group closes the
+    span: reduce_scatter -> add + RMSNorm -> all_gather is one site,
+  - an all_gather's prologue may hold norms (they run on whole rows); its result is a whole
+    tensor for the next column-parallel matmul, so it takes no epilogue.
+
+Replacement:
+
+    out, h = infini_dist.fused_site([p, residual, weight],
+                                    '<SubGraph: reduce_scatter -> add_rms_norm -> all_gather>')
+
+A reduce_scatter or all_gather with nothing to fuse is left to Inductor (RUNS_ALONE False): we
+have no kernel of our own for either alone, so the site could only run NCCL, as Inductor's own
+code does without our op's dispatch.
+"""
+
+from __future__ import annotations
+
+from infini_dist.compile import matching
+from infini_dist.compile.anchors import FxOp, collective_anchor
+from infini_dist.scheduler.settings import Settings
+
+OP_TYPES = ("reduce_scatter", "all_gather")
+RUNS_ALONE = False
+
+
+def _gather_tail(site: matching.FxSite) -> None:
+    """A reduce_scatter's epilogue whose value is all-gathered over the same group: the gather
+    closes the span (sequence parallelism's reduce_scatter -> add + RMSNorm -> all_gather)."""
+    anchor = site.anchors[0]
+    if not site.epilogue:
+        return
+    live = [n for op in site.epilogue for n in op.outputs if n is not None]
+    for value in live:
+        for user in value.users:
+            gather = collective_anchor(user)
+            if (gather is not None and gather.op_type == "all_gather"
+                    and gather.attrs["group_name"] == anchor.attrs["group_name"]):
+                site.epilogue.append(gather)
+                return
+
+
+def find_site(g: matching.GraphIndex, anchor: FxOp, settings: Settings) -> matching.FxSite:
+    """The site around a reduce_scatter or an all_gather."""
+    site = matching.with_prologues([anchor], settings)
+    if anchor.op_type == "reduce_scatter":
+        matching.grow_epilogue(g, site, settings)
+        _gather_tail(site)
+    return matching.trim(g, site)
