@@ -2,8 +2,13 @@
 // table of committed launches, each matched on the op, its group, its scalar and the exact
 // layout of its tensors, then launched with cuLaunchKernel on the current stream. Python only
 // builds the records; a call that matches none returns None and takes the Python path.
+// Only what the table uses, not torch/extension.h (the whole C++ frontend): a fresh machine's
+// first build takes half the time, and until it is done eager calls take the Python path.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <dlfcn.h>
 

@@ -15,10 +15,15 @@ in this one run, max over ranks (a collective is as slow as its slowest rank):
   compile           torch.compile of funcol.all_reduce + the epilogue
   symm_one_shot     torch.ops.symm_mem.one_shot_all_reduce_copy + eager epilogue
   symm_two_shot     copy into a symmetric tensor + two_shot_all_reduce_ + eager epilogue
+  symm_*_ar         torch's symmetric-memory all-reduces alone, on the symmetric tensor (with
+                    nccl_ar and the NCCL-symmetric peer's nccl_symm_ar, the all-reduces the
+                    fused op is held against: `engine / the fastest all-reduce alone`)
   cand:<choice>     every choice the engine generates for the site (cand:native included)
   engine            executor_for(graph, settings).run(...): the engine's committed choice
   fi_*              FlashInfer's trtllm all-reduce (+ fusion) kernels, when it is installed
                     (launch/peers_flashinfer.py)
+  nccl_symm*        NCCL's symmetric kernels (launch/peers_nccl_symm.py), timed by a process of
+                    their own in the same call and merged with --extra-rows
 Writes a table on stdout, results.json and latency.png under --out, and lists every case where
 the engine row is above the native row by more than --noise. With --cpu-smoke it runs on gloo
 CPU ranks (no graphs, no symmetric memory) to check the script itself.
@@ -42,7 +47,9 @@ from infini_dist.launch.arguments import (names, nonempty_ints, nonnegative_floa
                                           positive_int)
 from infini_dist.launch.bench_patterns import (EPS, FP8_SCALE, PATTERNS, dequantized,
                                                eager_epilogue, make_inputs, pattern_graph)
-from infini_dist.launch.peers_flashinfer import engine_vs_flashinfer, open_peers as open_flashinfer
+from infini_dist.launch.bench_targets import (above_native, engine_vs_ar_alone, fp8_cost,
+                                              engine_vs_flashinfer, extra_rows)
+from infini_dist.launch.peers_flashinfer import open_peers as open_flashinfer
 
 class Timer:
     def __init__(self, device, trials, replays):
@@ -138,6 +145,15 @@ def peers(pattern, inputs, group, cuda, compile_peer):
             return eager_epilogue(pattern, y, inputs)
         impls["symm_one_shot"] = (one_shot, lambda: None)
 
+    # The fastest all-reduces that do no epilogue (issue #25: the fused op must not be slower)
+    impls["symm_two_shot_ar"] = (
+        lambda: torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name),
+        lambda: symm.copy_(x))
+    if hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
+        impls["symm_one_shot_ar"] = (
+            lambda: torch.ops.symm_mem.one_shot_all_reduce(symm, "sum", group_name),
+            lambda: symm.copy_(x))
+
     def two_shot():
         symm.copy_(x)
         torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name)
@@ -169,23 +185,6 @@ def engine_candidates(graph, inputs, group, device, native_inductor=False):
     return executor, out
 
 
-def above_native(rows, noise: float) -> list[dict]:
-    """Every (pattern, tokens, mode) where the engine row is slower than the native row by more
-    than the fraction `noise`: the engine can always commit native, so each is a finding."""
-    found = []
-    by_case = {(r["pattern"], r["tokens"], r["impl"]): r for r in rows}
-    for (pattern, tokens, impl), row in by_case.items():
-        native = by_case.get((pattern, tokens, "native"))
-        if impl != "engine" or native is None:
-            continue
-        for mode in ("graph", "eager"):
-            mine, theirs = row.get(f"{mode}_us"), native.get(f"{mode}_us")
-            if mine is not None and theirs is not None and mine > theirs * (1 + noise):
-                found.append({"pattern": pattern, "tokens": tokens, "mode": mode,
-                              "engine_us": mine, "native_us": theirs})
-    return found
-
-
 def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
     dtype = getattr(torch, args.dtype)
     inputs = make_inputs(pattern, tokens, args.hidden, dtype, device, dist.get_rank())
@@ -194,7 +193,8 @@ def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
     if flashinfer is not None:
         impls.update(flashinfer.peers(pattern, inputs,
                                       lambda y, sides: eager_epilogue(pattern, y, sides), EPS,
-                                      FP8_SCALE, lambda outs: dequantized(pattern, outs)))
+                                      FP8_SCALE, (lambda outs: dequantized(pattern, outs))
+                                      if "fp8" in pattern else None))
     executor, candidates = engine_candidates(graph, inputs, group, device,
                                              device.type == "cuda" and args.native_inductor)
     # The engine decides on its first (eager) call, in lockstep on all ranks.
@@ -222,19 +222,6 @@ def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
         rows.append(row)
     return rows, {"committed": record.get("choice"), "engine_vs_native_max_abs": error,
                   "tuning_times_us": {k: v * 1e6 for k, v in record.get("times_s", {}).items()}}
-
-
-def fp8_cost(rows, mode) -> list[str]:
-    """Per FP8 pattern and token count, the engine's time over its time for the same count
-    without the quantization (the target: at most 1.05)."""
-    engine = {(r["pattern"], r["tokens"]): r.get(f"{mode}_us") for r in rows
-              if r["impl"] == "engine"}
-    out = []
-    for (pattern, tokens), us in engine.items():
-        base = engine.get(("add_rms_norm", tokens))
-        if pattern.startswith("add_rms_norm_fp8") and us and base:
-            out.append(f"{pattern}/{tokens} {us / base:.3f}")
-    return out
 
 
 def print_table(rows, patterns, tokens, mode):
@@ -300,6 +287,9 @@ def add_arguments(parser):
     parser.add_argument("--no-native-inductor", dest="native_inductor", action="store_false")
     parser.add_argument("--noise", type=nonnegative_float, default=0.05,
                         help="how far above native the engine row may be before it is listed")
+    parser.add_argument("--extra-rows", action="append", default=[], metavar="JSON",
+                        help="rows timed by another process of the same run (the NCCL-symmetric "
+                             "peer's results.json), merged into the tables; repeatable")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo CPU ranks, float32")
 
 
@@ -339,6 +329,7 @@ def main(argv=None):
                 print(f"{pattern} tokens={t}: committed {info['committed']}, |engine - native| "
                       f"max {info['engine_vs_native_max_abs']:.3g}", flush=True)
     if dist.get_rank() == 0:
+        rows += extra_rows(args.extra_rows, patterns, tokens)
         for mode in ("graph", "eager"):
             print_table(rows, patterns, tokens, mode)
         slower = above_native(rows, args.noise)
@@ -351,6 +342,8 @@ def main(argv=None):
         if flashinfer is not None:
             print("engine speed-up over the fastest flashinfer row (graph): "
                   + (", ".join(engine_vs_flashinfer(rows)) or "no rows"))
+        print(f"engine / the fastest all-reduce alone ({mode}): "
+              + (", ".join(engine_vs_ar_alone(rows, mode)) or "no rows"))
         os.makedirs(args.out, exist_ok=True)
         meta = {"world_size": dist.get_world_size(), "hidden": args.hidden, "dtype": args.dtype,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     dynamo_config.cache_size_limit = 64
     if args.one_rank_symm:
         from infini_dist.kernels import express
-        from infini_dist.launch.bench_eager_host import allow_one_rank
+        from infini_dist.launch.bench_eager import allow_one_rank
         allow_one_rank()
         express.start(wait=True)
     block = Block(args.hidden, dist.group.WORLD.group_name)

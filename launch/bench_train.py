@@ -212,7 +212,7 @@ def parse_args(argv=None):
     args = parse(argv, add_arguments, finish, prog="infini-dist bench --train",
                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if args.one_rank_symm:  # in this process only: the CLI checks arguments without it
-        from infini_dist.launch.bench_eager_host import allow_one_rank
+        from infini_dist.launch.bench_eager import allow_one_rank
         allow_one_rank()
     return args
 

@@ -155,7 +155,9 @@ class FlashInferPeers:
                     return epilogue(y, inputs)
                 name = f"fi_ar_{suffix}"
             try:
-                error = output_error(run(), inputs, epilogue, self.group, dequantize)
+                # slack 2: the kernels round the all-reduce to the dtype before the residual
+                # add, as the unfused path does
+                error = output_error(run(), inputs, epilogue, self.group, dequantize, slack=2.0)
             except Exception as failure:  # noqa: BLE001 - a shape the kernels refuse, say
                 error = f"{type(failure).__name__}: {failure}"[:300]
             if error is None:
@@ -167,11 +169,13 @@ class FlashInferPeers:
         return impls
 
 
-def output_error(got, inputs, epilogue, group, dequantize=None) -> str | None:
+def output_error(got, inputs, epilogue, group, dequantize=None, slack=1.0) -> str | None:
     """None when `got` (this rank's output, a tensor or a tuple) matches the float32 reference
     `epilogue(sum of every rank's x, inputs)` on every rank of `group`, else what is off: one
     verdict on all ranks, so none times a peer that another skips. An FP8 pattern passes
-    `dequantize(outputs) -> outputs`, its first in the input's units, which is compared."""
+    `dequantize(outputs) -> outputs`, its first in the input's units, which is compared; a
+    path that rounds after every op (an eager epilogue) passes `slack` > 1, its tolerance's
+    multiple."""
     wide = {k: v.float() for k, v in inputs.items()}
     y = wide["x"].clone()
     dist.all_reduce(y, group=group)
@@ -180,7 +184,7 @@ def output_error(got, inputs, epilogue, group, dequantize=None) -> str | None:
     want = want if isinstance(want, tuple) else (want,)
     if dequantize is not None:
         got, want = dequantize(got), dequantize(want)
-    atol, rtol = TOLERANCE[inputs["x"].dtype]  # fp32 outputs (FP8 scales) come from 16-bit ones
+    atol, rtol = (slack * bound for bound in TOLERANCE[inputs["x"].dtype])  # fp32 outputs (FP8 scales) come from 16-bit ones
 
     def excess(i, g, w):  # in units of atol: at most 1 passes
         step = FP8_STEP if dequantize is not None and i == 0 else 0.0
@@ -199,18 +203,3 @@ def _raiser(message):
     def fail():
         raise RuntimeError(f"wrong output: {message}")
     return fail
-
-
-def engine_vs_flashinfer(rows, mode="graph") -> list[str]:
-    """Per (pattern, tokens): how many times faster the engine row is than the fastest
-    FlashInfer row of the same case (the issue-15 target: >= 1.2 at <= 128 tokens)."""
-    out = []
-    for row in rows:
-        if row["impl"] != "engine" or row.get(f"{mode}_us") is None:
-            continue
-        theirs = [r[f"{mode}_us"] for r in rows if r["impl"].startswith("fi_")
-                  and (r["pattern"], r["tokens"]) == (row["pattern"], row["tokens"])
-                  and r.get(f"{mode}_us") is not None]
-        if theirs:
-            out.append(f"{row['pattern']}/{row['tokens']} {min(theirs) / row[f'{mode}_us']:.2f}x")
-    return out

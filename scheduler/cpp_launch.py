@@ -31,6 +31,13 @@ class Entry:
         self._offered: set = set()
         self._offered_at = -1  # express.cleared() when _offered was last emptied
 
+    def start(self, executor, inputs: dict) -> None:
+        """At an op's first calls: begin building the table in the background, so that the
+        build overlaps the first call's tuning (on a fresh machine, the calls until it is ready
+        take the Python path)."""
+        if executor.settings.express_ops and any(t.is_cuda for t in inputs.values()):
+            express.start()
+
     def offer(self, executor, inputs: dict, group, scalar: float) -> None:
         """Record the launch the call just made, where C++ can make it (`record`);
         a later call with the same op, group, scalar and layouts is then matched in C++."""

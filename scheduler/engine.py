@@ -368,6 +368,8 @@ class GraphExecutor:
     def run(self, inputs: dict, group=None, entry=None, scalar: float = 0.0) -> dict:
         """`entry` (cpp_launch.Entry, with the `scalar` its key leaves out): offered the launch."""
         if self.single_site is not None and inputs.keys() == self._only_names:
+            if entry is not None and entry.call is None:
+                entry.start(self, inputs)
             out = self.single_site.run(inputs, group)
             if entry is not None:
                 entry.executor = self

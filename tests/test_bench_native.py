@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from infini_dist.launch import bench, bench_patterns, peers_flashinfer
+from infini_dist.launch import bench_patterns, bench_targets, peers_flashinfer
 from multirank import run_cli
 
 
@@ -20,17 +20,21 @@ def test_above_native_lists_only_engine_rows_slower_than_native_beyond_noise():
             _row("cand:x[p0,e1]", 99.0, 99.0),  # candidates are not the engine row
             _row("native", 20.0, None, tokens=128), _row("engine", 19.0, None, tokens=128),
             _row("engine", 50.0, 50.0, pattern="relu_scale")]  # no native row to compare with
-    found = bench.above_native(rows, 0.05)
+    found = bench_targets.above_native(rows, 0.05)
     assert found == [{"pattern": "swiglu", "tokens": 16, "mode": "eager", "engine_us": 45.0,
                       "native_us": 40.0}]
-    assert bench.above_native(rows, 0.2) == []
+    assert bench_targets.above_native(rows, 0.2) == []
 
 
 def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     out = tmp_path / "out"
+    # rows of another process of the same run (the NCCL-symmetric peer's), merged into the tables
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({"rows": [_row("nccl_symm_ar", None, 3.0, "add_rms_norm", 2)]}))
     run = run_cli(tmp_path, "bench", "--nproc", "2", "--cpu-smoke", "--tokens", "2", "--hidden",
                   "32", "--patterns", "add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_token",
-                  "--trials", "2", "--replays", "2", "--out", str(out), timeout=240)
+                  "--trials", "2", "--replays", "2", "--extra-rows", str(extra),
+                  "--out", str(out), timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     impls = {r["impl"] for r in data["rows"]}
@@ -56,3 +60,36 @@ def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     assert run.stdout.count(skip) == 1
     assert not any(name.startswith("fi_") for name in impls)
     assert "add_rms_norm (graph, us, max over ranks)" in run.stdout  # the table still comes
+    eager_table = run.stdout.split("add_rms_norm (eager, us, max over ranks)")[1]
+    assert "nccl_symm_ar" in eager_table.split("\n\n")[0]
+    assert "nccl_symm_ar" in impls  # and results.json has it
+    assert "engine / the fastest all-reduce alone (eager): add_rms_norm/2 " in run.stdout
+
+
+def test_targets_read_the_fastest_peer_of_each_case():
+    rows = [_row("nccl_ar", 20.0, 40.0, "add_rms_norm", 1), _row("symm_two_shot_ar", 8.0, 10.0,
+                                                                 "add_rms_norm", 1),
+            _row("native", 30.0, 60.0, "add_rms_norm", 1), _row("engine", 6.0, 9.0,
+                                                                "add_rms_norm", 1),
+            _row("nccl_symm_ar", 30.0, 30.0, "add_rms_norm", 8192),
+            _row("engine", 33.0, 33.0, "add_rms_norm", 8192),
+            _row("fi_fused_one_shot", 9.0, 12.0, "add_rms_norm", 1),
+            _row("fi_fused_two_shot", 7.5, 30.0, "add_rms_norm", 1)]
+    # against the fastest all-reduce alone (8 us), not the native or FlashInfer rows
+    assert bench_targets.engine_vs_ar_alone(rows) == ["add_rms_norm/1 0.75",
+                                                      "add_rms_norm/8192 1.10"]
+    assert bench_targets.engine_vs_ar_alone(rows, "eager") == ["add_rms_norm/1 0.90",
+                                                               "add_rms_norm/8192 1.10"]
+    # the fastest FlashInfer row (7.5 us) over ours (6 us); no FlashInfer row at 8192
+    assert bench_targets.engine_vs_flashinfer(rows) == ["add_rms_norm/1 1.25x"]
+    assert bench_targets.fp8_cost(rows + [_row("engine", 6.3, 9.0, "add_rms_norm_fp8", 1)],
+                                  "graph") == ["add_rms_norm_fp8/1 1.050"]
+
+
+def test_extra_rows_keep_only_the_sweeps_cases(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"rows": [_row("nccl_symm_ar", 7.0, 25.0, "add_rms_norm", 1),
+                                         _row("nccl_symm_ar", 7.0, 25.0, "add_rms_norm", 64),
+                                         _row("nccl_symm", 9.0, 50.0, "relu_scale", 1)]}))
+    assert bench_targets.extra_rows([str(path)], ["add_rms_norm"], [1, 16]) == [
+        _row("nccl_symm_ar", 7.0, 25.0, "add_rms_norm", 1)]

@@ -5,7 +5,7 @@ reference, launched from C++ (its hit counter moves), captured and replayed in a
 and a call with another layout must go back to the Python path and get its own record. The
 compile pass's sites (torch.ops.infini_dist.fused_site) take the same path.
 
-One GPU: the symmetric-memory kernels run at world size 1 (bench_eager_host.allow_one_rank);
+One GPU: the symmetric-memory kernels run at world size 1 (bench_eager.allow_one_rank);
 their launches are the same at any world size. The multi-GPU engine tests
 (test_gpu_engine.py) also run through this path after their first calls.
 """
@@ -28,7 +28,7 @@ def express_worker(rank, world_size):
     import infini_dist
     from infini_dist import ops
     from infini_dist.kernels import express
-    from infini_dist.launch.bench_eager_host import allow_one_rank
+    from infini_dist.launch.bench_eager import allow_one_rank
     from infini_dist.scheduler import engine
     from infini_dist.scheduler.store import STORE
     allow_one_rank()
