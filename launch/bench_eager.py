@@ -2,8 +2,8 @@
 (issue #25: an eager call costs no more than NCCL's, from the first minute on a fresh machine as
 well as in a long job), per symmetric-memory choice, with the path that served the calls.
 
+    infini-dist bench --eager --nproc 2 [--tokens 1,16,128] [--first-minute 60]
     torchrun --nproc-per-node=2 -m infini_dist.launch.bench_eager --tokens 1,16,128
-    torchrun --nproc-per-node=2 -m infini_dist.launch.bench_eager --first-minute 60
     python -m infini_dist.launch.bench_eager --one-rank-symm     # one GPU
 
 µs per call, bf16, hidden 4096, max over ranks:
@@ -34,6 +34,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from infini_dist.launch.arguments import nonempty_ints, nonnegative_float, parse, positive_int
 
 CHOICES = ("one_shot", "two_shot", "one_shot_lamport", "two_shot_lamport",
            "two_shot_polled_gather")
@@ -201,16 +203,28 @@ def first_minute_rows(args, device, began: float) -> list[tuple]:
         time.sleep(2.0)
 
 
+def add_arguments(parser):
+    parser.add_argument("--tokens", type=nonempty_ints, default="1,16,128",
+                        help="token counts, comma-separated")
+    parser.add_argument("--hidden", type=positive_int, default=4096)
+    parser.add_argument("--first-minute", type=nonnegative_float, default=0.0, metavar="SECONDS",
+                        help="a fresh state's first SECONDS from the first call on (0: each "
+                             "choice forced, after the C++ module's build)")
+    parser.add_argument("--layers", action="store_true",
+                        help="also the host time of each layer below the call")
+    parser.add_argument("--one-rank-symm", action="store_true",
+                        help="offer the symmetric-memory kernels at one rank (one GPU)")
+
+
+def finish(parser, args, world):
+    if args.one_rank_symm and args.first_minute:
+        parser.error("--one-rank-symm forces the choices; --first-minute takes the engine's")
+
+
 def main(argv=None) -> None:
     began = time.monotonic()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=lambda t: [int(v) for v in t.split(",")],
-                        default=[1, 16, 128])
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--one-rank-symm", action="store_true")
-    parser.add_argument("--layers", action="store_true")
-    parser.add_argument("--first-minute", type=float, default=0.0, metavar="SECONDS")
-    args = parser.parse_args(argv)
+    args = parse(argv, add_arguments, finish, prog="infini-dist bench --eager",
+                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if not args.first_minute:  # decisions of its own; the first-minute mode takes the env's
         os.environ.setdefault("INFINI_DIST_CACHE_DIR", "/tmp/infini_dist_eager")
     if "RANK" not in os.environ:

@@ -24,7 +24,9 @@ RUNS = {"demo": ("demo", "run the tensor-parallel demo block"),
 BENCH_MODES = {"--model": ("bench_model", "the end-to-end TP decoder benchmark"),
                "--hf": ("bench_hf", "Hugging Face models under transformers' TP: llama, "
                                     "qwen2, mistral"),
-               "--train": ("bench_train", "the TP decoder training step benchmark")}
+               "--train": ("bench_train", "the TP decoder training step benchmark"),
+               "--eager": ("bench_eager", "eager op calls against a bare NCCL all_reduce: host "
+                                          "and device time, and the path that served them")}
 
 
 def default_nproc() -> int:
@@ -96,7 +98,8 @@ def build_parser():
 def _bench_mode(bench: argparse.ArgumentParser, words: list[str]) -> str | None:
     chosen = {word.split("=", 1)[0] for word in words} & set(BENCH_MODES)
     if len(chosen) > 1:
-        bench.error("one of --model, --hf and --train")
+        *others, last = BENCH_MODES
+        bench.error(f"one of {', '.join(others)} and {last}")
     return chosen.pop() if chosen else None
 
 
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
     nproc = args.nproc or default_nproc()
     # the rules between flags, for this many ranks: a refusal here starts no rank
     args.module.finish(args.parser, args, nproc)
-    own = {"--nproc": 1, **({mode: 0} if mode in ("--model", "--train") else {})}
+    own = {"--nproc": 1, **({mode: 0} if mode in ("--model", "--train", "--eager") else {})}
     return torchrun(args.module.__name__, nproc, _forwarded(words, own))
 
 

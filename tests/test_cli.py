@@ -52,7 +52,11 @@ BAD = [  # (argv, what the one message says)
     (["bench", "--dtype", "int8"], "argument --dtype: invalid choice"),
     (["bench", "--trials", "0"], "argument --trials: must be a positive integer"),
     (["bench", "--noise", "-1"], "argument --noise: must be a number >= 0"),
-    (["bench", "--model", "--train"], "one of --model, --hf and --train"),
+    (["bench", "--model", "--train"], "one of --model, --hf, --train and --eager"),
+    (["bench", "--eager", "--first-minute", "-1"], "argument --first-minute: must be a number"),
+    (["bench", "--eager", "--tokens", "0"], "argument --tokens: must be comma-separated"),
+    (["bench", "--eager", "--one-rank-symm", "--first-minute", "5"],
+     "--one-rank-symm forces the choices"),
     (["bench", "--model", "--batches", "1,a"], "argument --batches: must be comma-separated"),
     (["bench", "--model", "--prefill", "-1"], "argument --prefill: must be an integer >= 0"),
     (["bench", "--model", "--variants", "fast"], "argument --variants: choose among"),
@@ -97,6 +101,8 @@ HELP = {  # subcommand words -> flags its --help must list
     ("bench", "--train"): ["--out", "--device", "--tokens", "--variants", "--steps", "--warmup",
                            "--lr", "--tol", "--one-rank-symm", "--layers", "--kv-heads",
                            "--nproc"],
+    ("bench", "--eager"): ["--tokens", "--hidden", "--first-minute", "--layers",
+                           "--one-rank-symm", "--nproc"],
     ("cache",): ["--cache-dir", "list", "show", "clear"],
     ("cache", "list"): ["--cache-dir"],
     ("build",): ["--help"],
@@ -125,9 +131,12 @@ def test_help_lists_every_flag(words, started, capsys):
      ["--hf", "llama", "--hidden", "64"]),
     (["bench", "--train", "--device", "cpu"], "infini_dist.launch.bench_train", 2,
      ["--device", "cpu"]),
+    (["bench", "--eager", "--nproc", "2", "--first-minute", "60"],
+     "infini_dist.launch.bench_eager", 2, ["--first-minute", "60"]),
 ])
 def test_good_arguments_reach_the_ranks_as_written(argv, module, nproc, words, started):
-    """--nproc and bench's --model / --train are this process's: the ranks get the rest."""
+    """--nproc and bench's --model / --train / --eager are this process's: the ranks get the
+    rest."""
     assert cli.main(argv) == 0
     assert started == [(module, nproc, words)]
 
