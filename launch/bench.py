@@ -47,8 +47,8 @@ from infini_dist.launch.arguments import (names, nonempty_ints, nonnegative_floa
                                           positive_int)
 from infini_dist.launch.bench_patterns import (EPS, FP8_SCALE, PATTERNS, dequantized,
                                                eager_epilogue, make_inputs, pattern_graph)
-from infini_dist.launch.bench_targets import (above_native, engine_vs_ar_alone, fp8_cost,
-                                              engine_vs_flashinfer, extra_rows)
+from infini_dist.launch.bench_targets import (above_native, engine_vs_ar_alone,
+                                              engine_vs_flashinfer, extra_rows, fp8_cost)
 from infini_dist.launch.peers_flashinfer import open_peers as open_flashinfer
 
 class Timer:
@@ -89,6 +89,22 @@ class Timer:
         fn()
         fn()
         return self._measure(fn, reset)
+
+    def rows(self, impls, pattern, tokens, eager=True) -> list[dict]:
+        """One row per implementation (name -> (callable, reset)), µs in graph replay and
+        eagerly; an implementation that fails gets its error in the row instead."""
+        rows = []
+        for name, (fn, reset) in impls.items():
+            row = {"pattern": pattern, "tokens": tokens, "impl": name}
+            for mode in ("graph", "eager") if eager else ("graph",):
+                try:
+                    seconds = self.graph(fn, reset) if mode == "graph" else self.eager(fn, reset)
+                    row[f"{mode}_us"] = None if seconds is None else seconds * 1e6
+                except Exception as err:  # noqa: BLE001 - one failing peer must not stop a sweep
+                    row[f"{mode}_error"] = f"{type(err).__name__}: {err}"[:300]
+                    torch.cuda.synchronize() if self.cuda else None
+            rows.append(row)
+        return rows
 
     def graph(self, fn, reset=lambda: None) -> float | None:
         if not self.cuda:
@@ -207,19 +223,7 @@ def run_case(args, pattern, tokens, device, group, timer, flashinfer=None):
     got = tuple(reference[name] for name in graph.output_names)
     error = float((dequantized(pattern, got)[0].float()
                    - dequantized(pattern, expected)[0].float()).abs().max())
-    rows = []
-    for name, (fn, reset) in impls.items():
-        row = {"pattern": pattern, "tokens": tokens, "impl": name}
-        for mode in ("graph", "eager"):
-            if mode == "eager" and args.no_eager:
-                continue
-            try:
-                seconds = timer.graph(fn, reset) if mode == "graph" else timer.eager(fn, reset)
-                row[f"{mode}_us"] = None if seconds is None else seconds * 1e6
-            except Exception as err:  # noqa: BLE001 - one failing peer must not stop the sweep
-                row[f"{mode}_error"] = f"{type(err).__name__}: {err}"[:300]
-                torch.cuda.synchronize() if device.type == "cuda" else None
-        rows.append(row)
+    rows = timer.rows(impls, pattern, tokens, eager=not args.no_eager)
     return rows, {"committed": record.get("choice"), "engine_vs_native_max_abs": error,
                   "tuning_times_us": {k: v * 1e6 for k, v in record.get("times_s", {}).items()}}
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.launch.arguments import nonempty_ints, nonnegative_float, parse, positive_int
+from infini_dist.launch.bench_patterns import make_inputs
 
 CHOICES = ("one_shot", "two_shot", "one_shot_lamport", "two_shot_lamport",
            "two_shot_polled_gather")
@@ -132,9 +133,9 @@ def layers(x, residual, weight) -> list[tuple[str, float]]:
 
 
 def inputs_for(tokens, hidden, device):
-    x, residual = (torch.randn(tokens, hidden, device=device).bfloat16() for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(hidden, device=device)).bfloat16()
-    return x, residual, weight
+    """(x, residual, weight) of the sweep's add_rms_norm case (launch/bench_patterns.py)."""
+    values = make_inputs("add_rms_norm", tokens, hidden, torch.bfloat16, device, dist.get_rank())
+    return values["x"], values["residual"], values["weight"]
 
 
 def forced_rows(args, device, built) -> list[tuple]:

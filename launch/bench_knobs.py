@@ -21,6 +21,7 @@ from infini_dist.kernels.symm_device import SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
 from infini_dist.launch.bench import Timer
+from infini_dist.launch.bench_eager import inputs_for
 
 HIDDEN, FP8_SCALE = 4096, 0.05
 
@@ -35,14 +36,6 @@ def cases():
             for group in (0, 2, 4, 8):
                 for warps in (None, 16, 32):
                     yield kernel, tokens, None, group, warps
-
-
-def inputs(tokens, rank, device):
-    mine, shared = torch.Generator().manual_seed(7 + rank), torch.Generator().manual_seed(3)
-    x = torch.randn(tokens, HIDDEN, generator=mine).to(device, torch.bfloat16)
-    residual = torch.randn(tokens, HIDDEN, generator=shared).to(device, torch.bfloat16)
-    weight = (1 + 0.1 * torch.randn(HIDDEN, generator=shared)).to(device, torch.bfloat16)
-    return x, residual, weight
 
 
 def error_and_agreement(out, x, residual, weight, quant) -> tuple[float, bool]:
@@ -69,7 +62,7 @@ def main():
         print("| kernel | tokens | fp8 | items per step | num_warps | µs | max abs error | "
               "same bits on all ranks |\n|---|---|---|---|---|---|---|---|")
     for kernel, tokens, quant, group, warps in cases():
-        x, residual, weight = inputs(tokens, dist.get_rank(), device)
+        x, residual, weight = inputs_for(tokens, HIDDEN, device)
         launch, grid, args, kwargs, results = kernel.bind(
             x, weight=weight, residual=residual, quant=quant,
             tuning=SymmTuning(group_items=group))

@@ -184,7 +184,8 @@ def output_error(got, inputs, epilogue, group, dequantize=None, slack=1.0) -> st
     want = want if isinstance(want, tuple) else (want,)
     if dequantize is not None:
         got, want = dequantize(got), dequantize(want)
-    atol, rtol = (slack * bound for bound in TOLERANCE[inputs["x"].dtype])  # fp32 outputs (FP8 scales) come from 16-bit ones
+    # fp32 outputs (FP8 scales) come from 16-bit ones
+    atol, rtol = (slack * bound for bound in TOLERANCE[inputs["x"].dtype])
 
     def excess(i, g, w):  # in units of atol: at most 1 passes
         step = FP8_STEP if dequantize is not None and i == 0 else 0.0

@@ -75,16 +75,8 @@ def main(argv=None):
         for tokens in args.tokens:
             inputs = make_inputs(pattern, tokens, args.hidden, getattr(torch, args.dtype),
                                  device, dist.get_rank())
-            for name, (fn, reset) in peers(pattern, inputs, dist.group.WORLD.group_name).items():
-                row = {"pattern": pattern, "tokens": tokens, "impl": name}
-                for mode in ("graph", "eager"):
-                    try:
-                        seconds = timer.graph(fn, reset) if mode == "graph" else timer.eager(
-                            fn, reset)
-                        row[f"{mode}_us"] = seconds * 1e6
-                    except Exception as err:  # noqa: BLE001 - the row shows it, the sweep goes on
-                        row[f"{mode}_error"] = f"{type(err).__name__}: {err}"[:300]
-                rows.append(row)
+            rows += timer.rows(peers(pattern, inputs, dist.group.WORLD.group_name), pattern,
+                               tokens)
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:

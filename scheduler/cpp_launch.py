@@ -35,19 +35,18 @@ class Entry:
         """At an op's first calls: begin building the table in the background, so that the
         build overlaps the first call's tuning (on a fresh machine, the calls until it is ready
         take the Python path)."""
-        if executor.settings.express_ops and any(t.is_cuda for t in inputs.values()):
+        if _may_serve(executor, inputs):
             express.start()
 
     def offer(self, executor, inputs: dict, group, scalar: float) -> None:
         """Record the launch the call just made, where C++ can make it (`record`);
         a later call with the same op, group, scalar and layouts is then matched in C++."""
-        if not executor.settings.express_ops or not any(t.is_cuda for t in inputs.values()):
+        if not _may_serve(executor, inputs):
             return
         if self.call is None:
             built = express.module()
             if built is None:
-                express.start()  # in the background; calls take the Python path until ready
-                return
+                return  # still building (`start`): calls take the Python path until ready
             self.call = built.call
         matched = resolve_group(self.group_name, None) if self.group_name is not None else group
         key = (id(executor), id(matched), scalar) + tuple(
@@ -60,6 +59,11 @@ class Entry:
         self._offered.add(key)
         if record(self.op, executor, inputs, group, matched, scalar) is None:
             self._offered.discard(key)  # not yet: the launch has not taken its short path
+
+
+def _may_serve(executor, inputs: dict) -> bool:
+    """Whether the C++ table may take calls like this one: the flag on, CUDA tensors."""
+    return executor.settings.express_ops and any(t.is_cuda for t in inputs.values())
 
 
 def record(op: int, executor, inputs: dict, group, matched, scalar: float) -> bool | None:
