@@ -39,7 +39,7 @@ from infini_dist.launch.arguments import nonempty_ints, nonnegative_float, parse
 from infini_dist.launch.bench_patterns import make_inputs
 
 CHOICES = ("one_shot", "two_shot", "one_shot_lamport", "two_shot_lamport",
-           "two_shot_polled_gather")
+           "two_shot_polled_gather", "one_shot_lamport_streamed")
 
 
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at H100/H200 clocks: far longer than issuing the calls

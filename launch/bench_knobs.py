@@ -3,20 +3,23 @@ per step (`SymmTuning(group_items=)`), each variant checked against the fp32 ref
 bitwise identical outputs on every rank, then timed under CUDA-graph replay (µs per call, max
 over ranks). For kernel work: the engine does not tune these knobs, the layouts pick them.
 
-    torchrun --standalone --nproc-per-node=2 -m infini_dist.launch.bench_knobs
+    torchrun --standalone --nproc-per-node=2 -m infini_dist.launch.bench_knobs [--kernels K,..]
 
 AR + residual add + RMSNorm, bf16, hidden 4096: one_shot_lamport at 1 / 16 / 128 tokens (with
-and without static FP8), two_shot_polled_gather and two_shot at 1024 / 8192 tokens.
+and without static FP8), two_shot_polled_gather and two_shot at 1024 / 8192 tokens,
+one_shot_lamport_streamed at 1 to 8192 tokens. `--kernels`: only these kernels (by kind).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
 import torch.distributed as dist
 
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce
+from infini_dist.kernels.lamport_one_shot_streamed import lamport_one_shot_streamed_all_reduce
 from infini_dist.kernels.symm_device import SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
@@ -36,6 +39,10 @@ def cases():
             for group in (0, 2, 4, 8):
                 for warps in (None, 16, 32):
                     yield kernel, tokens, None, group, warps
+    for tokens in (1, 16, 128, 1024, 8192):
+        for group in (0, 2):
+            for warps in (None, 4, 8, 16):
+                yield lamport_one_shot_streamed_all_reduce, tokens, None, group, warps
 
 
 def error_and_agreement(out, x, residual, weight, quant) -> tuple[float, bool]:
@@ -53,7 +60,10 @@ def error_and_agreement(out, x, residual, weight, quant) -> tuple[float, bool]:
     return float((got - want).abs().max()), all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", help="comma-separated kernel kinds (default: all)")
+    only = parser.parse_args(argv).kernels
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
@@ -62,6 +72,8 @@ def main():
         print("| kernel | tokens | fp8 | items per step | num_warps | µs | max abs error | "
               "same bits on all ranks |\n|---|---|---|---|---|---|---|---|")
     for kernel, tokens, quant, group, warps in cases():
+        if only and kernel.kind not in only.split(","):
+            continue
         x, residual, weight = inputs_for(tokens, HIDDEN, device)
         launch, grid, args, kwargs, results = kernel.bind(
             x, weight=weight, residual=residual, quant=quant,

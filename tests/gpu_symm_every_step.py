@@ -26,6 +26,8 @@ from infini_dist.kernels import symm_call  # noqa: E402
 from infini_dist.kernels.epilogue import SPECS  # noqa: E402
 from infini_dist.kernels.symm_chain import NORM_CODES, QUANT_CODES, STEPS  # noqa: E402
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce  # noqa: E402
+from infini_dist.kernels.lamport_one_shot_streamed import \
+    lamport_one_shot_streamed_all_reduce  # noqa: E402
 from infini_dist.kernels.lamport_two_shot import lamport_two_shot_all_reduce  # noqa: E402
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce  # noqa: E402
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce  # noqa: E402
@@ -35,7 +37,8 @@ from infini_dist.kernels.two_shot_polled_gather import \
 KERNELS = {"one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce,
            "two_shot_polled_gather": two_shot_polled_gather_all_reduce,
            "lamport_one_shot": lamport_one_shot_all_reduce,
-           "lamport_two_shot": lamport_two_shot_all_reduce}
+           "lamport_two_shot": lamport_two_shot_all_reduce,
+           "lamport_one_shot_streamed": lamport_one_shot_streamed_all_reduce}
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 QUANT_TOLERANCE = 6e-2  # e4m3 keeps 3 mantissa bits: one rounding is up to 6.25% of a value
 QUANT_SCALE = 0.05      # a static scale under which no value here reaches the clamp at 448

@@ -180,7 +180,7 @@ def main():
         raise SystemExit(f"--only {args.only}: registered are {sorted(registered)}")
     algorithms = [a for name, a in sorted(registered.items()) if args.only in (None, name)]
     big = {"two_shot": (8192, 4096), "two_shot_lamport": (1024, 4096),
-           "two_shot_polled_gather": (8192, 4096)}
+           "two_shot_polled_gather": (8192, 4096), "one_shot_lamport_streamed": (8192, 4096)}
     shapes = [(1, 4096), (7, 4096), (3, 4095)] if args.quick else \
         [(1, 4096), (7, 4096), (128, 4096), (3, 4095), (5, 200), (1000, 1024)]
     for algorithm in algorithms:

@@ -14,7 +14,7 @@ import torch
 from multirank import run_ranks
 
 GPU_ALGORITHMS = ("one_shot", "two_shot", "one_shot_lamport", "two_shot_lamport",
-                  "nccl+nt_epilogue")
+                  "one_shot_lamport_streamed", "nccl+nt_epilogue")
 
 
 def gpus():

@@ -16,7 +16,7 @@ import torch
 from multirank import run_ranks
 
 CHOICES = ("one_shot", "two_shot", "one_shot_lamport", "two_shot_lamport",
-           "two_shot_polled_gather")
+           "two_shot_polled_gather", "one_shot_lamport_streamed")
 
 
 def _reference(x, residual, weight):

@@ -42,7 +42,8 @@ def test_bad_input_raises_before_launch(x, options, message):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["one_shot", "two_shot", "two_shot_polled_gather",
-                                    "lamport_one_shot", "lamport_two_shot"])
+                                    "lamport_one_shot", "lamport_two_shot",
+                                    "lamport_one_shot_streamed"])
 def test_every_step_and_norm_on_gpu(kernel):
     """Each spec'd chain step and norm compiled by the GPU compiler in `kernel`: one GPU
     suffices (tests/gpu_symm_every_step.py; the engine offers the kernels from two GPUs up). One

@@ -1,6 +1,7 @@
 """Engine algorithms over our symmetric-memory all-reduce kernels: `one_shot` and `two_shot`
 (block barriers), `one_shot_lamport`, `two_shot_lamport` (the data is the signal) and
-`two_shot_polled_gather` (a barrier after the reduce-scatter, a polled all-gather).
+`two_shot_polled_gather` (a barrier after the reduce-scatter, a polled all-gather) and
+`one_shot_lamport_streamed` (pushes and reductions interleaved, for large tensors at few ranks).
 
 A span is supported when it is one sum all_reduce of a CUDA float tensor with
   - a prologue: a chain (up to 3) of elementwise ops on the all_reduce input;
@@ -35,6 +36,7 @@ import torch
 
 from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce
+from infini_dist.kernels.lamport_one_shot_streamed import lamport_one_shot_streamed_all_reduce
 from infini_dist.kernels.lamport_two_shot import lamport_two_shot_all_reduce
 from infini_dist.kernels.one_shot_all_reduce import one_shot_all_reduce
 from infini_dist.kernels.rows import FLOAT_DTYPES
@@ -58,6 +60,9 @@ TWO_SHOT_MAX_BYTES = 1 << 30
 LAMPORT_TWO_SHOT_MAX_BYTES = 8 << 20
 # Its buffer holds 4 copies of the tensor; beyond this the barrier two-shot's one copy wins.
 POLLED_GATHER_MAX_BYTES = 64 << 20
+# The streamed one-shot's buffer holds 2 W copies, and it sends (W - 1) copies a rank: capped by
+# its buffer, it covers 64 MiB at 2 ranks, 16 MiB at 8 (where two-shots move a quarter of that).
+STREAMED_MAX_BUFFER_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -282,10 +287,11 @@ def _norm_operands(node, current, x, meta, external) -> dict | None:
 
 class SymmAllReduce(Algorithm):
     """The engine's choice `name`: one symm_call.SymmKernel (`kernel`) for spans of at most
-    `max_bytes`."""
+    `max_bytes` whose buffer needs at most `max_buffer_bytes` (None: no limit)."""
 
-    def __init__(self, name: str, kernel, max_bytes: int):
+    def __init__(self, name: str, kernel, max_bytes: int, max_buffer_bytes: int | None = None):
         self.name, self.kernel, self.max_bytes = name, kernel, max_bytes
+        self.max_buffer_bytes = max_buffer_bytes
 
     @property
     def kind(self) -> str:
@@ -297,7 +303,9 @@ class SymmAllReduce(Algorithm):
 
     def supports(self, span, meta, ctx) -> bool:
         plan = plan_span(span, meta, ctx)
-        return plan is not None and plan.numel * plan.dtype.itemsize <= self.max_bytes
+        return plan is not None and plan.numel * plan.dtype.itemsize <= self.max_bytes and (
+            self.max_buffer_bytes is None
+            or self.data_bytes(plan, ctx.world_size) <= self.max_buffer_bytes)
 
     def launch_arguments(self, plan: SpanPlan, x, tensors: dict, buffer, written: dict,
                          tuning: SymmTuning = DEFAULT_TUNING):
@@ -334,4 +342,6 @@ def algorithms() -> list[SymmAllReduce]:
             SymmAllReduce("two_shot_lamport", lamport_two_shot_all_reduce,
                           LAMPORT_TWO_SHOT_MAX_BYTES),
             SymmAllReduce("two_shot_polled_gather", two_shot_polled_gather_all_reduce,
-                          POLLED_GATHER_MAX_BYTES)]
+                          POLLED_GATHER_MAX_BYTES),
+            SymmAllReduce("one_shot_lamport_streamed", lamport_one_shot_streamed_all_reduce,
+                          TWO_SHOT_MAX_BYTES, STREAMED_MAX_BUFFER_BYTES)]
