@@ -41,7 +41,8 @@ import triton.language as tl
 from infini_dist.kernels.reduce_scatter_all_gather import layout, shard_call, shard_rows
 from infini_dist.kernels.symm_buffers import slot_elements, upper_half_elements
 from infini_dist.kernels.symm_call import call_buffer
-from infini_dist.kernels.symm_chain import (CODES, MAX_PROGRAMS, ROW_SCALE_QUANTS, STEPS,
+from infini_dist.kernels.symm_chain import (CODES, MAX_PROGRAMS, ROW_SCALE_QUANTS,
+                                            SCALE_OPERAND_QUANTS, STEPS,
                                             fused_arguments, round_to)
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, apply_prologue,
                                              call_half, finish_into, push_to_peers)
@@ -120,6 +121,9 @@ def unsupported(epilogue: tuple = (), quant: int = 0) -> str | None:
     if quant in ROW_SCALE_QUANTS:
         return ("a per-row quantizer's scales: the one-shot stores only this rank's side "
                 "outputs (reduce_scatter_all_gather runs it)")
+    if quant in SCALE_OPERAND_QUANTS:
+        return ("a scale tensor: every rank would quantize every rank's rows with its own "
+                "scale, not theirs (reduce_scatter_all_gather runs it)")
     if any(op.code in _ROW_SIDES for op in epilogue):
         return ("a chain step with a shard-shaped operand: the one-shot has no other rank's "
                 "(reduce_scatter_all_gather runs it)")

@@ -101,8 +101,10 @@ class SymmKernel:
         the same on every rank.
 
         `quant`: an output quantizer of symm_chain.QUANT_CODES, last: ("quant_fp8", scale)
-        (static per-tensor FP8: the output is float8_e4m3fn, the residual keeps x.dtype) or
-        ("quant_fp8_per_token",) (after a norm; its fp32 scales, rows x 1, follow the output)."""
+        (static per-tensor FP8: the output is float8_e4m3fn, the residual keeps x.dtype),
+        ("quant_fp8_tensor_scale", scale) (the same, `scale` a one-element tensor read at run
+        time) or ("quant_fp8_per_token"[, min_scale]) (after a norm; its fp32 scales, rows x 1,
+        follow the output; `_reciprocal`: multiplied by their reciprocal)."""
         kernel, grid, args, kwargs, results = self.bind(
             x, group=group, prologue=prologue, epilogue=epilogue, weight=weight,
             residual=residual, eps=eps, buffer=buffer, norm=norm, bias=bias, tuning=tuning,
@@ -165,16 +167,28 @@ def call_outputs(like, quant, residual) -> tuple:
 
 
 def quant_options(quant) -> dict:
-    """The launch options of `quant`: None, or (name,) / (name, scalar) of a spec'd quantizer."""
+    """The launch options of `quant`: None, or (name,) / (name, scale) of a spec'd quantizer,
+    the scale a number, or a one-element tensor for one that reads it at run time."""
     if quant is None:
         return {}
     name, *operands = quant
     if name not in QUANT_CODES:
         raise ValueError(f"unknown quantizer {name!r}; known: {sorted(QUANT_CODES)}")
-    wanted = 1 if SPECS[name].symm_quant.scalar is not None else 0
-    if len(operands) != wanted:
-        raise ValueError(f"quantizer {name!r} takes {wanted} operand(s), got {len(operands)}")
-    return {"quant": QUANT_CODES[name], "quant_scale": float(operands[0]) if operands else 0.0}
+    quantizer = SPECS[name].symm_quant
+    if quantizer.scale_operand:
+        if len(operands) != 1:
+            raise ValueError(f"quantizer {name!r} takes its scale tensor, got {len(operands)} "
+                             "operand(s)")
+        return {"quant": QUANT_CODES[name], "quant_scale": operands[0]}  # fused_arguments checks
+    if quantizer.scalar is None:
+        if operands:
+            raise ValueError(f"quantizer {name!r} takes no operand, got {len(operands)}")
+        return {"quant": QUANT_CODES[name]}
+    if len(operands) > 1:
+        raise ValueError(f"quantizer {name!r} takes its {quantizer.scalar} or nothing (the "
+                         f"default), got {len(operands)} operands")
+    value = operands[0] if operands else dict(SPECS[name].attrs)[quantizer.scalar]
+    return {"quant": QUANT_CODES[name], "quant_scale": float(value)}
 
 
 def norm_options(x, norm, weight, bias, residual) -> dict:

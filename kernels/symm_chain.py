@@ -20,6 +20,7 @@ import hashlib
 import linecache
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
@@ -44,6 +45,9 @@ _QUANTS = [spec for spec in SPECS.values() if spec.symm_quant is not None]
 QUANT_CODES = {spec.name: code for code, spec in enumerate(_QUANTS, start=1)}
 ROW_SCALE_QUANTS = frozenset(QUANT_CODES[spec.name] for spec in _QUANTS
                              if spec.symm_quant.row_scale)
+# Those reading their scale from a one-element tensor (the `scales_ptr` slot) at run time.
+SCALE_OPERAND_QUANTS = frozenset(QUANT_CODES[spec.name] for spec in _QUANTS
+                                 if spec.symm_quant.scale_operand)
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,8 @@ def dispatch_source() -> str:
               "    q = y"]
     for spec in _QUANTS:
         lines.append(f"    if QUANT == {QUANT_CODES[spec.name]}:  # {spec.name}")
+        if spec.symm_quant.scale_operand:
+            lines.append("        scale = tl.load(scales_ptr).to(tl.float32)")
         lines += [f"        {line}" for line in spec.symm_quant.code.splitlines()]
         if spec.symm_quant.row_scale:  # one value per row: the row's first lane stores it
             lines.append("        tl.store(scales_ptr + index // ROW_LEN, row_scale, "
@@ -262,8 +268,10 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     if given, `pre` (the value the norm normalises, i.e. the new residual), `rstd` (fp32, one
     per row: that value's rsqrt(mean(pre^2) + eps), for a norm of RSTD_NORMS) and `reduced`
     (the all_reduce's value, before the epilogue); x stands in for the pointers a launch does
-    not use. `quant`: a quant code, quantizing `out` last (`quant_scale`: its scalar; `scales`:
-    the rows x 1 fp32 scales a per-row quantizer writes).
+    not use. `quant`: a quant code, quantizing `out` last (`quant_scale`: its scalar, or for a
+    quantizer of SCALE_OPERAND_QUANTS the one-element tensor it reads at run time; `scales`: the
+    rows x 1 fp32 scales a per-row quantizer writes). The kernels have one slot for both
+    tensors, `scales_ptr`: no quantizer writes per-row scales and reads a scale tensor.
     Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
     bound once and reused with other tensors of the same shape (scheduler/backends/symm_launch.PreparedLaunch)."""
     if rstd is not None and norm not in RSTD_NORMS:
@@ -273,6 +281,12 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
             scales is not None and norm == NO_NORM.value):
         raise ValueError("a per-row quantizer writes `scales` and needs a norm (its layout "
                          "holds a whole row per item); others write none")
+    scale_operand = isinstance(quant_scale, torch.Tensor)
+    if (quant in SCALE_OPERAND_QUANTS) != scale_operand or (
+            scale_operand and (quant_scale.numel() != 1 or quant_scale.device != x.device)):
+        wanted = ("a one-element tensor on x's device" if quant in SCALE_OPERAND_QUANTS
+                  else "a number")
+        raise ValueError(f"quant code {quant} takes its scale as {wanted}")
     layout = launch_layout(x.numel(), row_len, norm, buffer.world_size)
     p_values, p_codes = chain_arguments(prologue, sides, x)
     e_values, e_codes = chain_arguments(epilogue, sides, x)
@@ -280,7 +294,8 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     # epilogue's runtime part leads with its outputs and the norm's operands.
     outputs = tuple(x if t is None else t
                     for t in (out, pre, rstd, reduced, weight, bias, residual)) + (float(eps),)
-    quantize = (float(quant_scale), x if scales is None else scales)
+    slot = quant_scale if scale_operand else x if scales is None else scales
+    quantize = (0.0 if scale_operand else float(quant_scale), slot)
     head = (x, p_values, outputs + e_values + quantize)
     writes = (pre is not None, rstd is not None, reduced is not None)
     kwargs = dict(

@@ -63,16 +63,19 @@ def _spec_patterns() -> dict:
 
 
 def _quant_patterns(ar, spec) -> dict:
-    # scale 0.02: normed values of a few units land across e4m3's range, some beyond 448
-    attrs = {"scale": 0.02} if spec.symm_quant.scalar else {}
+    # scale 0.02: normed values of a few units land across e4m3's range, some beyond 448; a
+    # scale tensor ("qscale", make_inputs) is near it and differs per call
+    attrs = {"scale": 0.02} if spec.symm_quant.scalar == "scale" else {}  # a floor: its default
+    scale = ["qscale"] if spec.symm_quant.scale_operand else []
     quantized = ("q", "qs")[:spec.num_outputs]
     patterns = {f"add_rms_norm_{spec.name}": _graph(
         [ar, OpNode("add_rms_norm", ("y", "res", "w"), ("n", "r"), {"eps": 1e-5}),
-         OpNode(spec.name, ("n",), quantized, attrs)], ["x", "res", "w"], [*quantized, "r"])}
+         OpNode(spec.name, ("n", *scale), quantized, attrs)], ["x", "res", "w", *scale],
+        [*quantized, "r"])}
     if not spec.symm_quant.row_scale:
         patterns[f"silu_{spec.name}"] = _graph(
-            [ar, OpNode("silu", ("y",), ("a",)), OpNode(spec.name, ("a",), quantized, attrs)],
-            ["x"], list(quantized))
+            [ar, OpNode("silu", ("y",), ("a",)),
+             OpNode(spec.name, ("a", *scale), quantized, attrs)], ["x", *scale], list(quantized))
     return patterns
 
 
@@ -132,10 +135,12 @@ def make_inputs(graph, shape, dtype, rank, call, device="cpu") -> dict:
     for name in graph.input_names:
         seed = 1000 * call + (rank + 1 if name == "x" else 100 + len(values))
         g = torch.Generator().manual_seed(seed)
-        size = (shape[-1],) if name in ("w", "b") else shape
+        size = (shape[-1],) if name in ("w", "b") else () if name == "qscale" else shape
         t = torch.randn(size, generator=g)
         if name == "w":
             t = 0.5 + t.abs()
+        if name == "qscale":  # a per-tensor FP8 scale
+            t = 0.02 * (1 + t.abs())
         values[name] = t.to(dtype).to(device)
     return values
 

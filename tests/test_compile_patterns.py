@@ -45,6 +45,7 @@ class Case:
     weights: tuple = ()   # inputs that are a norm's weight (one row)
     per_rank: tuple = (0,)  # inputs that differ across ranks (all others are the same)
     attrs: tuple = ()     # (op index, {attr: value}) the site must carry
+    scalars: tuple = ()   # inputs that are one-element tensors (a per-tensor FP8 scale)
 
 
 def _form(name):
@@ -52,8 +53,12 @@ def _form(name):
 
 
 def _attrs(form) -> dict:
-    """The IR attributes a match of `form` carries: fixed ones and captured sentinels."""
-    return {**dict(form.attrs), **{name: value for name, value in form.captures}}
+    """The IR attributes a match of `form` carries: fixed ones and captured sentinels (as the
+    spelling's attrs_of turns them into the op's)."""
+    captured = {name: value for name, value in form.captures}
+    if form.attrs_of is not None:
+        captured = form.attrs_of(captured)
+    return {**dict(form.attrs), **captured}
 
 
 def _weights(form, offset=0) -> tuple:
@@ -67,7 +72,8 @@ def _epilogue(form, position):
         args[position] = reduce(args[position])
         return form.fn(*args)
     return Case(fn, form.arity, ("all_reduce", form.op_type), (form.name,),
-                weights=_weights(form), per_rank=(position,), attrs=((1, _attrs(form)),))
+                weights=_weights(form), per_rank=(position,), attrs=((1, _attrs(form)),),
+                scalars=form.scalars)
 
 
 def _prologue(form):
@@ -131,8 +137,12 @@ def cases() -> dict:
 
 
 def inputs_of(case: Case, rank: int) -> list:
-    return [rand(*(SHAPE[-1:] if i in case.weights else SHAPE),
-                 seed=100 * (rank if i in case.per_rank else 0) + i) for i in range(case.arity)]
+    def one(i):
+        if i in case.scalars:  # a scale: positive, never zero
+            return 0.05 + rand(1, seed=i).abs().reshape(())
+        return rand(*(SHAPE[-1:] if i in case.weights else SHAPE),
+                    seed=100 * (rank if i in case.per_rank else 0) + i)
+    return [one(i) for i in range(case.arity)]
 
 
 def _targets(gm) -> collections.Counter:

@@ -1,6 +1,7 @@
-"""quant_fp8 (kernels/epilogue/quant_fp8.py): (x / scale).clamp(-448, 448) as float8_e4m3fn,
-alone and after all_reduce + add + RMSNorm (the FP8 output beside the bf16 residual), in the
-ninetoothed chain and in the symmetric-memory kernels."""
+"""quant_fp8 and quant_fp8_tensor_scale (kernels/epilogue/quant_fp8.py): (x / scale).clamp(-448,
+448) as float8_e4m3fn, the scale a number or a one-element tensor read at run time; alone and
+after all_reduce + add + RMSNorm (the FP8 output beside the bf16 residual), in the ninetoothed
+chain (the number only) and in the symmetric-memory kernels."""
 
 import pytest
 import torch
@@ -40,6 +41,35 @@ def test_reference_against_fp64(dtype):
         assert op_registry.close_enough(native, got, computed_in=dtype)
     with pytest.raises(TypeError):
         op_registry.run_node("quant_fp8", [torch.arange(6)], {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_tensor_scale_reference_against_fp64(dtype):
+    """The same quantization with the scale a one-element tensor of any float dtype: the number
+    path's bits for the scale's value, and torch's own answer where x is fp32."""
+    x = randn((3, 5, 48), 1, dtype) * 200
+    for scale in (torch.tensor(0.25), torch.tensor([0.5], dtype=torch.bfloat16),
+                  torch.tensor(1.0, dtype=torch.float64)):
+        (got,) = op_registry.run_node("quant_fp8_tensor_scale", [x, scale], {})
+        (by_number,) = op_registry.run_node("quant_fp8", [x],
+                                            {"scale": float(scale.float().item())})
+        assert got.dtype == FP8 and got.shape == x.shape
+        assert torch.equal(got.float(), by_number.float()), scale
+        expected = fp64(x, scale.float().item())
+        assert bool((expected.abs() == 448).any()) and bool((expected.abs() < 100).any())
+        (native,) = op_registry.run_node("quant_fp8_tensor_scale", [x, scale], {}, native=True)
+        if dtype == torch.float32:  # fp32 x / any 0-d scale: torch divides in fp32 too
+            assert torch.equal(native.float(), got.float())
+        assert op_registry.close_enough(native, got, computed_in=dtype)
+
+
+@pytest.mark.parametrize("scale", [torch.ones(2), torch.tensor(1), torch.ones(1, 1, 1, 1)],
+                         ids=["two-elements", "int", "more-dims"])
+def test_tensor_scale_refuses_what_is_not_a_per_tensor_scale(scale):
+    x = randn((3, 8), 1)
+    for native in (False, True):
+        with pytest.raises(ValueError, match="one-element float tensor"):
+            op_registry.run_node("quant_fp8_tensor_scale", [x, scale], {}, native=native)
 
 
 NODES = [OpNode("add_rms_norm", ("ar", "res", "w"), ("n", "h"), {"eps": 1e-5}),
@@ -96,15 +126,35 @@ def test_both_paths_fuse_it_after_add_rms_norm():
     assert fusing_algorithms(read) == {"nccl+nt_epilogue"}
 
 
-@pytest.mark.parametrize("pattern", ["add_rms_norm_quant_fp8", "silu_quant_fp8"])
+def test_a_tensor_scale_fuses_into_the_symm_kernels_only():
+    """The scale tensor is a kernel input read at run time (quant_scale_input), no constant;
+    the ninetoothed chain has no code for a one-element operand, so nccl+nt_epilogue declines."""
+    graph = build("add_rms_norm_quant_fp8_tensor_scale")
+    assert fusing_algorithms(graph) == {"symm"}
+    plan = plan_span(full_span(graph), meta_of(graph, (4, 64), torch.bfloat16), CUDA2)
+    assert (plan.out, plan.pre, plan.out_dtype, plan.quant_scale_input) == ("q", "r", FP8,
+                                                                            "qscale")
+    assert "qscale" in plan.tensor_inputs
+    meta = meta_of(graph, (4, 64), torch.bfloat16)
+    meta["qscale"] = meta["qscale"]._replace(device=torch.device("cpu"))  # not on x's device
+    assert plan_span(full_span(graph), meta, CUDA2) is None
+
+
+QUANT_PATTERNS = ["add_rms_norm_quant_fp8", "silu_quant_fp8",
+                  "add_rms_norm_quant_fp8_tensor_scale", "silu_quant_fp8_tensor_scale"]
+
+
+@pytest.mark.parametrize("pattern", QUANT_PATTERNS)
 def test_the_engine_offers_every_symm_kernel_at_full_depth(pattern):
     assert full_depth_symm_choices(build(pattern)) == set(symm_algorithms())
 
 
-@pytest.mark.parametrize("pattern", ["add_rms_norm_quant_fp8", "silu_quant_fp8"])
+@pytest.mark.parametrize("pattern", QUANT_PATTERNS)
 def test_every_symm_kernel_interpreted(monkeypatch, pattern):
     """The FP8 output beside the bf16 residual (and after a plain chain), 2 ranks, every
-    kernel; the plain callables take it as quant=("quant_fp8", scale) (symm_runs)."""
+    kernel; the plain callables take it as quant=("quant_fp8", scale) (symm_runs). A scale
+    tensor differs per call (symm_cases.make_inputs): each call's output is checked against
+    its own scale's reference, so a scale read once and kept would fail the second call."""
     check_symm(monkeypatch, pattern, tuple(symm_algorithms()))
 
 

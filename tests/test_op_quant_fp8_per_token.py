@@ -1,7 +1,9 @@
 """quant_fp8_per_token (kernels/epilogue/quant_fp8_per_token.py): per row, scale = max|row| / 448
-(at least 1 / (448 * 512)), (row / scale).clamp(-448, 448) as float8_e4m3fn, and the fp32 scales
-(rows x 1); alone, and after all_reduce + add + RMSNorm in the symmetric-memory kernels and in
-the ninetoothed chain (nccl+nt_epilogue: the scales are the chain's per-row output)."""
+(at least min_scale, by default 1 / (448 * 512)), (row / scale).clamp(-448, 448) as
+float8_e4m3fn, and the fp32 scales (rows x 1); quant_fp8_per_token_reciprocal multiplies by the
+scale's reciprocal instead. Alone, and after all_reduce + add + RMSNorm in the symmetric-memory
+kernels and in the ninetoothed chain (nccl+nt_epilogue: the scales are the chain's per-row
+output); the spellings users write, matched by the pass."""
 
 import pytest
 import torch
@@ -23,9 +25,12 @@ FP8 = torch.float8_e4m3fn
 PATTERN = "add_rms_norm_quant_fp8_per_token"
 
 
-def fp64(x):
+RECIPROCAL = "quant_fp8_per_token_reciprocal"
+
+
+def fp64(x, min_scale=MIN_SCALE):
     x = x.double()
-    scales = (x.abs().amax(-1, keepdim=True) / 448.0).clamp_min(MIN_SCALE)
+    scales = (x.abs().amax(-1, keepdim=True) / 448.0).clamp_min(min_scale)
     return (x / scales).clamp(-448.0, 448.0), scales
 
 
@@ -42,10 +47,20 @@ def test_reference_against_fp64(dtype):
     # each row's largest value maps to +-448; every value within half an fp8 step of exact
     assert (q.float().abs().amax(-1) == 448).sum() == 14
     assert ((q.double() - expected).abs() <= expected.abs() * 2.0 ** -4 + 2.0 ** -10).all()
-    # vLLM's native spelling multiplies by the reciprocal: at most one step apart
     native_q, native_scales = op_registry.run_node("quant_fp8_per_token", [x], {}, native=True)
-    assert torch.equal(native_scales, scales)
-    assert op_registry.close_enough(native_q, q)
+    assert torch.equal(native_scales, scales) and torch.equal(native_q.float(), q.float())
+    # the reciprocal's product: the same scales, values at most one step apart, bit for bit
+    # what its native (vLLM's forward_native) gives
+    r_q, r_scales = op_registry.run_node(RECIPROCAL, [x], {})
+    assert torch.equal(r_scales, scales) and op_registry.close_enough(r_q, q)
+    r_native, _ = op_registry.run_node(RECIPROCAL, [x], {}, native=True)
+    assert torch.equal(r_native.float(), r_q.float())
+    # another floor: rows below it get it as their scale
+    floored, floored_scales = op_registry.run_node("quant_fp8_per_token", [x],
+                                                   {"min_scale": 0.01})
+    expected, expected_scales = fp64(x, 0.01)
+    assert torch.allclose(floored_scales.double(), expected_scales, rtol=2.0 ** -23, atol=0)
+    assert bool((floored_scales == torch.tensor(0.01)).any())
     with pytest.raises(TypeError):
         op_registry.run_node("quant_fp8_per_token", [torch.arange(6)], {})
 
@@ -206,12 +221,13 @@ def test_ninetoothed_chain_on_gpu(name, dtype):
         _check(name, shape, chain_errors(name, chain_inputs(name, shape, dtype, "cuda")))
 
 
-def test_every_symm_kernel_interpreted(monkeypatch):
+@pytest.mark.parametrize("pattern", [PATTERN, f"add_rms_norm_{RECIPROCAL}"])
+def test_every_symm_kernel_interpreted(monkeypatch, pattern):
     """The FP8 output and its scales beside the bf16 residual, 2 ranks, every kernel."""
-    check_symm(monkeypatch, PATTERN, tuple(symm_algorithms()))
+    check_symm(monkeypatch, pattern, tuple(symm_algorithms()))
 
 
-@pytest.mark.parametrize("form", [f for f in FORMS if f.op_type == "quant_fp8_per_token"],
+@pytest.mark.parametrize("form", [f for f in FORMS if f.op_type.startswith("quant_fp8_per_token")],
                          ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_pass_matches_it_after_the_norm(form, dtype):
@@ -221,5 +237,31 @@ def test_the_pass_matches_it_after_the_norm(form, dtype):
         return q, scales, h
     site = compiled_site(f, randn((2, 16), 1, dtype), randn((2, 16), 2, dtype),
                          randn((16,), 3, dtype))
-    assert ops_of(site) == ["all_reduce", "add_rms_norm", "quant_fp8_per_token"]
+    assert ops_of(site) == ["all_reduce", "add_rms_norm", form.op_type]
     assert set(site.nodes[-1].outputs) <= set(site.output_names)  # the scales are read too
+
+
+def test_a_floor_before_the_division_is_the_same_floor_after_it():
+    """max.clamp(min=eps) / 448 is (max / 448).clamp(min=fl32(eps / 448)), bit for bit: the
+    pass turns the one into the other's min_scale."""
+    x = randn((64, 48), 5) * torch.logspace(-9, 1, 64).view(64, 1)  # rows above and below
+    for eps in (1e-6, 1e-8, 3e-7):
+        row_max = x.abs().amax(-1, keepdim=True)
+        user = row_max.clamp(min=eps) / 448
+        floor = float(torch.tensor(eps, dtype=torch.float32) / 448.0)
+        _, scales = op_registry.run_node("quant_fp8_per_token", [x], {"min_scale": floor})
+        assert bool((row_max < eps).any()) and bool((row_max > eps).any())
+        assert torch.equal(scales, user)
+
+
+def test_a_half_precision_scale_is_not_the_op():
+    """Scales computed in bf16 (no upcast) round differently: the pass leaves them unfused."""
+    def f(x, residual, w):
+        h = ar(x) + residual
+        n = llama_norm(h, w, 1e-5)
+        scale = n.abs().amax(dim=-1, keepdim=True).clamp(min=1e-6) / 448
+        return (n / scale).clamp(-448, 448).to(FP8), scale, h
+    dtype = torch.bfloat16
+    site = compiled_site(f, randn((2, 16), 1, dtype), randn((2, 16), 2, dtype),
+                         randn((16,), 3, dtype))
+    assert ops_of(site) == ["all_reduce", "add_rms_norm"]

@@ -46,13 +46,16 @@ class Form:
     exposable: tuple[str, Any] | None = None
     vectors: tuple[int, ...] = ()  # inputs that are 1-D over the last dim (a norm's weight)
     out_dtype: torch.dtype | None = None  # the result's dtype, where not input 0's
+    scalars: tuple[int, ...] = ()  # inputs that are one-element tensors (an FP8 scale)
+    attrs_of: Callable | None = None  # as spec.Spelling's
+    per_row_outputs: tuple[int, ...] = ()  # results of one fp32 value per row (spec.OpSpec's)
 
 
 # Every spelling of every op spec (kernels/epilogue), in spec order.
 FORMS = tuple(
     Form(spelling.name, spec.name, spelling.fn, spec.arity, spelling.chain_inputs, spelling.attrs,
          spelling.captures, spelling.commutative, spelling.exposable, spec.vectors,
-         spec.out_dtype)
+         spec.out_dtype, spec.scalars, spelling.attrs_of, spec.per_row_outputs)
     for spec in SPECS.values() for spelling in spec.spellings)
 
 _COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
@@ -75,8 +78,8 @@ def _example_inputs(form: Form, dtype, ndim: int, device) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     tensors = []
     for index in range(form.arity):
-        t = torch.randn(shape[-1:] if index in form.vectors else shape, generator=gen,
-                        dtype=torch.float32)
+        size = shape[-1:] if index in form.vectors else () if index in form.scalars else shape
+        t = torch.randn(size, generator=gen, dtype=torch.float32)
         tensors.append(t.to(device=device, dtype=dtype))
     return tensors
 
@@ -155,8 +158,13 @@ class Match:
 
 
 def _same_constant(pattern: Any, value: Any) -> bool:
-    if isinstance(pattern, (bool, int, float)) or isinstance(value, (bool, int, float)):
+    """Equal constants. An int and a float of one value are the same number to the float ops
+    the forms spell (448 and finfo's 448.0 in a clamp); a bool is no number here."""
+    numbers = (int, float)
+    if isinstance(pattern, bool) or isinstance(value, bool):
         return type(pattern) is type(value) and pattern == value
+    if isinstance(pattern, numbers) or isinstance(value, numbers):
+        return isinstance(pattern, numbers) and isinstance(value, numbers) and pattern == value
     return pattern == value
 
 
@@ -238,9 +246,15 @@ def match_at(template: Template, root: fx.Node) -> Match | None:
                 return None
             exposed = node
     attrs = dict(template.form.attrs)
+    captured = {}
     for name, _ in template.form.captures:
         if ("attr", name) not in state:
             return None
-        attrs[name] = float(state[("attr", name)])
+        captured[name] = float(state[("attr", name)])
+    if template.form.attrs_of is not None:
+        captured = template.form.attrs_of(captured)
+        if captured is None:
+            return None
+    attrs.update(captured)
     further = tuple(n if any(u not in nodes for u in n.users) else None for n in further)
     return Match(template, inputs, nodes, root, attrs, exposed, further)

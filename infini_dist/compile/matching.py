@@ -94,10 +94,25 @@ def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> FxOp | None:
     dtype = value_of(inputs[0]).dtype
     if value_of(match.root).dtype != (match.form.out_dtype or dtype) or not dtype.is_floating_point:
         return None
-    if any(value_of(n).dtype != dtype for i, n in enumerate(inputs) if i not in match.form.vectors):
+    form = match.form
+    if any(value_of(n).dtype != dtype for i, n in enumerate(inputs)
+           if i not in form.vectors + form.scalars):
         return None  # a norm's weight may have its own dtype
+    if not all(_per_tensor(value_of(inputs[0]), value_of(inputs[i])) for i in form.scalars):
+        return None
+    if any(match.further[i - 1] is not None and value_of(match.further[i - 1]).dtype
+           != torch.float32 for i in form.per_row_outputs):
+        return None  # per-token scales computed in half precision: not the IR op's fp32 ones
     return FxOp(match.form.op_type, inputs, [match.root, *match.further], dict(match.attrs),
                 match.nodes)
+
+
+def _per_tensor(x, scalar) -> bool:
+    """Whether `scalar` is a per-tensor operand of x's op as the IR means it: one float element
+    that changes neither x's shape nor the dtype the op computes in (a [1]-shaped fp64 scale
+    would promote an fp32 x: another computation)."""
+    return (scalar.numel() == 1 and scalar.dtype.is_floating_point and scalar.dim() <= x.dim()
+            and torch.result_type(x, scalar) == x.dtype)
 
 
 def _best(found: list) -> tuple | None:

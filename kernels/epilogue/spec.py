@@ -43,6 +43,9 @@ class Spelling:
     chain_inputs: tuple[int, ...] = (0,)  # inputs that may carry the site's value
     attrs: tuple[tuple[str, Any], ...] = ()  # fixed attributes
     captures: tuple[tuple[str, float], ...] = ()  # attribute <- sentinel in the trace
+    # The op's attributes from the captured values, where a spelling states one otherwise (a
+    # floor before a division rather than after it); None from it: not this op after all.
+    attrs_of: Callable[[dict], dict | None] | None = None
     commutative: bool = False
     # An interior value the graph may also read (training saves the norm's rsqrt), as the op
     # computing it from input 0 and the aten op yielding it.
@@ -77,12 +80,15 @@ class SymmQuant:
     """The op as the symmetric-memory kernels' output quantization. `code`: statements turning
     `y` (fp32, rounded to the input dtype as the op's unfused input is; zero where `mask` is
     off) into `q`, stored as `out` in the spec's `out_dtype`, with `scale` in scope: the float
-    attribute named `scalar` (None: 0.0). `row_scale`: the code also sets `row_scale`, one fp32
+    attribute named `scalar` (None: 0.0), or with `scale_operand`, the op's one-element tensor
+    operand (its `scalars`) loaded in fp32 at run time, so a checkpoint's scale may change
+    between calls and CUDA-graph replays. `row_scale`: the code also sets `row_scale`, one fp32
     value per row ([rows, 1], reduced over the whole row, so only after a norm), stored as the
     op's second output."""
     code: str
     scalar: str | None = None
     row_scale: bool = False
+    scale_operand: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class OpSpec:
     attrs: tuple[tuple[str, Any], ...] = ()  # (name, default)
     choices: tuple[tuple[str, tuple], ...] = ()  # attrs taking one of some strings, not numbers
     vectors: tuple[int, ...] = ()  # operands that are 1-D over the last dim (weight, bias)
+    # Operands that are one-element float tensors of any float dtype (a checkpoint's FP8 scale),
+    # read at run time rather than baked in as an attribute.
+    scalars: tuple[int, ...] = ()
     out_dtype: torch.dtype | None = None  # None: the input's (promoted) dtype
     # Results (by index) holding one fp32 value per row, shape [..., 1] (a reduction over the
     # whole row, such as per-token scales): `out_dtype` is not theirs; they are only stored.

@@ -88,6 +88,7 @@ class SpanPlan:
     quant_scale: float = 0.0
     out_dtype: torch.dtype | None = None  # `out`'s dtype where quantized
     scales: str | None = None     # the value a per-row quantizer's scales hold, if live
+    quant_scale_input: str | None = None  # the one-element scale tensor a quantizer reads
 
     @property
     def numel(self) -> int:
@@ -100,8 +101,9 @@ class SpanPlan:
     @property
     def tensor_inputs(self) -> tuple:
         """Every input the kernel reads, each once: the source, then sides, weight, bias,
-        residual."""
-        names = (self.source,) + self.sides + (self.weight, self.bias, self.residual)
+        residual, the quantizer's scale tensor."""
+        names = (self.source,) + self.sides + (self.weight, self.bias, self.residual,
+                                               self.quant_scale_input)
         return tuple(dict.fromkeys(n for n in names if n))
 
     @property
@@ -128,9 +130,11 @@ class SpanPlan:
         """The launch builders' options but outputs (symm_chain.fused_arguments)."""
         operands = {k: tensors[getattr(self, k)] if getattr(self, k) else None
                     for k in ("weight", "bias", "residual")}
+        scale = (tensors[self.quant_scale_input] if self.quant_scale_input
+                 else self.quant_scale)  # a tensor is read at run time, a number baked in
         return dict(prologue=self.prologue, epilogue=self.epilogue, sides=tensors, norm=self.norm,
-                    eps=self.eps, row_len=self.row_len, quant=self.quant,
-                    quant_scale=self.quant_scale, **operands)
+                    eps=self.eps, row_len=self.row_len, quant=self.quant, quant_scale=scale,
+                    **operands)
 
     def results(self, written: dict) -> dict:
         slot = {getattr(self, k): k for k in self.writes}
@@ -222,7 +226,7 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
         rstd = rstd_node.outputs[0]
     quant = {}
     if quant_node is not None:
-        quant = _quant(quant_node, out, norm)
+        quant = _quant(quant_node, out, norm, x, meta, external)
         if quant is None:
             return None
         out = quant_node.outputs[0]
@@ -237,17 +241,28 @@ def plan_span(span, meta, ctx) -> SpanPlan | None:
                     outputs, tuple(x.shape), x.dtype,
                     x.shape[-1] if norm != NO_NORM.value else None,
                     quant.get("quant", 0), quant.get("quant_scale", 0.0),
-                    quant.get("out_dtype"), scales if scales in outputs else None)
+                    quant.get("out_dtype"), scales if scales in outputs else None,
+                    quant.get("quant_scale_input"))
 
 
-def _quant(node, current, norm) -> dict | None:
+def _quant(node, current, norm, x, meta, external) -> dict | None:
     """The quantizer node's plan fields, or None where the kernels cannot run it: it reads the
-    final value; a per-row one needs the norm's layout (a whole row per item)."""
+    final value; a per-row one needs the norm's layout (a whole row per item); a scale tensor
+    is one float element on x's device, from outside the span."""
     spec = SPECS[node.op_type]
-    if tuple(node.inputs) != (current,) or len(node.outputs) != spec.num_outputs:
+    scale_input = node.inputs[1] if spec.symm_quant.scale_operand else None
+    if tuple(node.inputs) != (current,) + ((scale_input,) if scale_input else ()) \
+            or len(node.outputs) != spec.num_outputs:
         return None
     if spec.symm_quant.row_scale and norm == NO_NORM.value:
         return None
+    if scale_input is not None:
+        m = meta.get(scale_input)
+        if (scale_input not in external or m is None or math.prod(m.shape) != 1
+                or not m.dtype.is_floating_point or m.device != x.device):
+            return None
+        return {"quant": QUANT_CODES[node.op_type], "out_dtype": spec.out_dtype,
+                "quant_scale_input": scale_input}
     scale = 0.0
     if spec.symm_quant.scalar is not None:
         scale = node.attr(spec.symm_quant.scalar, dict(spec.attrs)[spec.symm_quant.scalar])
