@@ -25,6 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from infini_dist.kernels import symm_call  # noqa: E402
 from infini_dist.kernels.epilogue import SPECS  # noqa: E402
 from infini_dist.kernels.symm_chain import NORM_CODES, QUANT_CODES, STEPS  # noqa: E402
+from symm_cases import callable_quant  # noqa: E402
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce  # noqa: E402
 from infini_dist.kernels.lamport_one_shot_streamed import \
     lamport_one_shot_streamed_all_reduce  # noqa: E402
@@ -59,7 +60,10 @@ STEP_REFERENCES = {
 # a quantizer missing here fails the run.
 DEQUANTIZE = {
     "quant_fp8": lambda got, scale: (got[0].double() * scale,) + got[1:],
+    "quant_fp8_tensor_scale": lambda got, scale: (got[0].double() * float(scale),) + got[1:],
     "quant_fp8_per_token": lambda got, _: (got[0].double() * got[1].double(),) + got[2:],
+    "quant_fp8_per_token_reciprocal":
+        lambda got, _: (got[0].double() * got[1].double(),) + got[2:],
 }
 
 
@@ -122,7 +126,7 @@ def quant_cases(x, generator):
     for name in sorted(QUANT_CODES):
         if name not in DEQUANTIZE:
             raise AssertionError(f"no dequantizer for output quantizer {name!r}")
-        quant = (name, QUANT_SCALE) if SPECS[name].symm_quant.scalar else (name,)
+        quant = callable_quant(name, QUANT_SCALE, x.device)
         weight = (1 + 0.1 * torch.randn(x.shape[-1], generator=generator, device=x.device))
         residual = torch.randn(x.shape, generator=generator, device=x.device).to(x.dtype)
         w64, res = weight.to(x.dtype).double(), residual.double()

@@ -240,3 +240,13 @@ def fp8_error(got, expected) -> float:
     step = torch.exp2(torch.floor(torch.log2(magnitude)) - 3)
     excess = ((got - expected).abs() - step).clamp_min(0)
     return float(excess.max() / (1 + expected.abs().max())) if excess.numel() else 0.0
+
+
+def callable_quant(name: str, scale: float, device="cpu") -> tuple:
+    """A plain callable's `quant` for output quantizer `name` (symm_chain.QUANT_CODES): a static
+    `scale` as a float or as the one-element tensor a checkpoint holds, per-token quantizers with
+    their default floor."""
+    spec = SPECS[name].symm_quant
+    if spec.scale_operand:
+        return name, torch.tensor([scale], device=device)
+    return (name,) if spec.row_scale else (name, scale)

@@ -39,8 +39,8 @@ def _step(name, x):
 
 def _quant(name):
     """The plain callables' `quant` for a quantizer (symm_chain.QUANT_CODES)."""
-    from infini_dist.kernels.epilogue import SPECS
-    return (name, 0.5) if SPECS[name].symm_quant.scalar is not None else (name,)
+    from symm_cases import callable_quant
+    return callable_quant(name, 0.5)
 
 
 def compile_kernel(name, prologue, epilogue, norm, residual, dtype, quant=None):
