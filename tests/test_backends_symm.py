@@ -74,6 +74,24 @@ def test_training_site_gets_every_symm_kernel_at_full_depth():
         build(TRAIN), (4, 64), torch.float32), CUDA4).reduced) == (None, "y")
 
 
+def test_streamed_one_shot_is_capped_by_its_buffer():
+    """Its buffer holds 2 W copies of the tensor: 64 MiB of bf16 rows are offered at 2 ranks
+    (256 MiB of buffer) and not at 4; 16 MiB at 8 ranks, not 32 MiB. The two-shot's cap is the
+    tensor's, whatever the world size."""
+    from infini_dist.kernels.lamport_one_shot_streamed import \
+        lamport_one_shot_streamed_all_reduce as streamed
+    graph = build("add_rms_norm")
+    span = full_span(graph)
+
+    def offered(kernel, world_size, tokens):
+        ctx = RunContext(None, world_size, 1, torch.device("cuda", 1))
+        meta = meta_of(graph, (tokens, 4096), torch.bfloat16)
+        return algorithm_of(kernel).supports(span, meta, ctx)
+    assert offered(streamed, 2, 8192) and not offered(streamed, 4, 8192)
+    assert offered(streamed, 8, 2048) and not offered(streamed, 8, 4096)
+    assert offered(two_shot_all_reduce, 8, 8192)
+
+
 def test_plan_writes_only_the_rsqrt_the_norm_uses():
     ar = OpNode("all_reduce", ("x",), ("y",))
     norm = OpNode("add_rms_norm", ("y", "res", "w"), ("n", "r"), {"eps": 1e-5})
