@@ -234,7 +234,7 @@ def test_every_kernel_interpreted_eight_ranks(monkeypatch):
     # Tensor parallelism usually runs at 8: every kernel at W = 8 (a bf16 and an fp32 buffer).
     # (Each kernel's own cases: tests/test_symm_<kernel>.py.)
     names = sorted(symm_algorithms())
-    assert len(names) == 5, names
+    assert len(names) == 6, names
     cases = [(name, pattern, shape, dtype) for name in names
              for pattern, shape, dtype in (("add_rms_norm", (3, 40), torch.float32),
                                            ("relu_scale", (2, 24), torch.bfloat16))]
