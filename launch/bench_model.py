@@ -14,6 +14,9 @@ cache of --context positions, so a step can be captured once and replayed.
 Per shape (decode of one token at each batch size, prefill of --prefill tokens at batch 1):
   inductor      torch.compile(model, dynamic=False)
   infini_dist   infini_dist.compile.compile_model(model, dynamic=False)
+  collective_free  torch.compile as inductor, every collective a no-op (launch/collective_free.py):
+                the floor no all-reduce can beat; its output (partial sums) is not checked, its
+                compile must have replaced every collective (else the run fails)
   eager         no compile; dist.all_reduce (NCCL) in place after each row-parallel projection
 Each is timed under CUDA-graph replay: median per step, max over ranks. We capture the graphs
 ourselves (torch.cuda.graph) instead of using mode="reduce-overhead": every variant, eager
@@ -26,9 +29,11 @@ entry (a capture failure falls back to eager timing), never the end of the run.
 Correctness: the relative L2 error of each compiled variant's output (the final normed hidden
 state) against eager's, max over ranks; infini_dist's must be <= --tol. Inductor's FX graph
 cache is turned off, so the pass runs at every compile and the site counts are real. Writes the
-tables on stdout (a short summary last), results.json and latency.png under --out. Exit status 1
-when infini_dist's output does not match eager's (or could not be checked); speed is reported
-against the target (>= 1.15x over inductor at decode batch <= 16, never slower), not enforced.
+tables on stdout (a short summary last: per shape also each compiled step over the
+collective-free one), results.json and latency.png under --out. Exit status 1 when infini_dist's
+output does not match eager's (or could not be checked), or the collective-free compile kept a
+collective; speed is reported against the target (>= 1.15x over inductor at decode batch <= 16,
+never slower), not enforced.
 """
 
 from __future__ import annotations
@@ -44,11 +49,12 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.launch import shutdown
+from infini_dist.launch import collective_free
 from infini_dist.launch.arguments import (add_decode_shapes, add_model_sizes, names,
                                           nonnegative_int, parse, positive_float, positive_int,
                                           usage_error)
-from infini_dist.launch.model_report import (PREFILL_TARGET, VARIANTS, plot, print_details,
-                                             summarize, summary)
+from infini_dist.launch.model_report import (FLOOR, PREFILL_TARGET, VARIANTS, add_floor_ratios,
+                                             plot, print_details, summarize, summary)
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_shapes, make_inputs
 
 
@@ -80,6 +86,8 @@ class Bench:
         # False where the variants bring their own CUDA graphs (mode="reduce-overhead").
         self.capture_graphs = capture and self.cuda
         self.own_capture = capture
+        # The pass of every collective-free compile of this run; it counts what it replaced.
+        self.floor = collective_free.CollectiveFree()
 
     def sync(self):
         if self.cuda:
@@ -167,6 +175,7 @@ class Bench:
         from infini_dist.scheduler.native_inductor import epilogues_compiled
         row = {"variant": variant}
         sites, pass_graphs = idc.stats["sites"], idc.stats["graphs"]
+        floor_counts = self.floor.counts()
         graphs = counters["stats"]["unique_graphs"] - epilogues_compiled()
         begin, error = time.perf_counter(), None
         try:
@@ -188,6 +197,13 @@ class Bench:
             row["sites"] = idc.stats["sites"] - sites
             row["pass_graphs"] = idc.stats["graphs"] - pass_graphs
             row["decisions"] = summarize(idc.decisions())
+        if variant == FLOOR:  # what this shape's compile replaced: left max, removed min over ranks
+            row["floor"] = True  # a reference to time against, not an output to check
+            counts = self.floor.counts()
+            row["collectives_left"] = int(self.worst(counts["collectives_left"]
+                                                     - floor_counts["collectives_left"]))
+            row["collectives_removed"] = -int(self.worst(floor_counts["collectives_removed"]
+                                                         - counts["collectives_removed"]))
         graph, out = None, None
         if self.capture_graphs:
             error = None
@@ -251,15 +267,15 @@ def run_shape(bench: Bench, shape: Shape, calls: dict) -> list[dict]:
                                                                   shape.batch, shape.tokens)
         rows.append(row)
         if dist.get_rank() == 0:
-            print(f"{shape.name:>14s}  {variant:12s} " + (
+            print(f"{shape.name:>14s}  {variant:15s} " + (
                 f"{row['median_us']:10.1f} us ({row['mode']}), first call "
                 f"{row['first_call_s']:.1f}s" if "median_us" in row else row["error"]) +
                 (f"  [capture failed: {row['capture_error']}]" if "capture_error" in row else ""),
                 flush=True)
     reference = outputs.get("eager")
-    for row in rows:
+    for row in rows:  # the floor's output is partial sums: no error to report
         if reference is not None and outputs.get(row["variant"]) is not None \
-                and row["variant"] != "eager":
+                and row["variant"] not in ("eager", FLOOR):
             row["rel_l2_vs_eager"] = bench.rel_l2(outputs[row["variant"]], reference)
     return rows
 
@@ -351,21 +367,24 @@ def main(argv=None) -> int:
     args.prefill_target = PREFILL_TARGET if infini_dist.config.matmul_prologue else 1.0
     rank = dist.get_rank()
     model = Decoder(args.model, dist.group.WORLD, device, dtype)
+    bench = Bench(args, device, control)
     compiled = {}
     if "inductor" in args.variants:
         compiled["inductor"] = torch.compile(model, dynamic=False)
     if "infini_dist" in args.variants:
         # One compile, as the recorded tables had (sites and graphs are counted per variant)
         compiled["infini_dist"] = idc.compile_model(model, dynamic=False, recompile_decided=False)
+    if FLOOR in args.variants:
+        compiled[FLOOR] = collective_free.compile_model(model, bench.floor, dynamic=False)
     shapes = [Shape("decode", b, 1) for b in args.batches]
     shapes += [Shape("prefill", 1, args.prefill)] if args.prefill > 0 else []
     if rank == 0:
         print(f"TP={dist.get_world_size()} {device.type} {dtype}: {asdict(args.model)}; "
               f"variants {args.variants}; {args.iters} timed steps each", flush=True)
-    bench = Bench(args, device, control)
     rows = []
     for shape in shapes:
         rows += bench_shape(bench, model, compiled, shape, dtype)
+    add_floor_ratios(rows)
     lines, verdict = summary(rows, shapes, args, args.cpu_smoke)
     if rank == 0:
         print_details(rows)

@@ -151,7 +151,7 @@ def timing_lines(rows: list[dict], shapes) -> list[str]:
     lines = ["", "interleaved timing (us per step, max over ranks): call = events around each "
              "call (p10-p90, spread of round medians), host = call returns, wall = per call "
              "with a sync per round, kernels = GPU kernel time per step (profiler, rank 0)",
-             f"{'shape':>14s} {'variant':12s} {'call':>8s} {'p10-p90':>15s} {'spread':>6s} "
+             f"{'shape':>14s} {'variant':15s} {'call':>8s} {'p10-p90':>15s} {'spread':>6s} "
              f"{'host':>8s} {'wall':>8s} {'kernels':>8s} {'graphs':>6s}"]
     for shape in shapes:
         for row in rows:
@@ -159,7 +159,7 @@ def timing_lines(rows: list[dict], shapes) -> list[str]:
                 continue
             gpu = row.get("profile", {}).get("gpu_kernel_us_per_step")
             lines.append(
-                f"{shape.name:>14s} {row['variant']:12s} {row['call_us']:8.1f} "
+                f"{shape.name:>14s} {row['variant']:15s} {row['call_us']:8.1f} "
                 f"{row['call_p10_us']:7.1f}-{row['call_p90_us']:<7.1f} "
                 f"{row['round_spread']:6.2f} {row['host_us']:8.1f} {row['wall_us']:8.1f} "
                 f"{'-' if gpu is None else f'{gpu:.1f}':>8s} "

@@ -1,9 +1,10 @@
 """`infini-dist bench --hf`: Hugging Face models under transformers' own TP (DTensor, gloo).
 
 One run on 2 CPU ranks with a one-layer Llama (random weights saved and loaded with
-tp_plan="auto"): a decode step over a StaticCache and a prefill, the infini_dist pass against
-eager. The plain compiled variant is left out there (it is the same code path with another
-torch.compile call) to keep to two Inductor compiles, the slow part. The rest runs in process.
+tp_plan="auto"): a decode step over a StaticCache and a prefill, the infini_dist pass and the
+collective-free step (the floor: every collective a no-op) against eager. The plain compiled
+variant is left out there (it is the same code path with another torch.compile call) to keep
+Inductor's compiles, the slow part, to four. The rest runs in process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' TP loading needs it
 
 from infini_dist.launch import bench_hf  # noqa: E402
+from infini_dist.launch.tp_decoder import Shape  # noqa: E402
 from multirank import run_cli  # noqa: E402
 
 TINY = ["--layers", "1", "--hidden", "64", "--mlp", "128", "--heads", "4", "--kv-heads", "2",
@@ -27,7 +29,8 @@ TINY = ["--layers", "1", "--hidden", "64", "--mlp", "128", "--heads", "4", "--kv
 def test_cpu_smoke_llama_tp(tmp_path):
     out = tmp_path / "out"
     run = run_cli(tmp_path, "bench", "--hf", "llama", "--nproc", "2", "--cpu-smoke", *TINY,
-                  "--variants", "infini_dist,eager", "--profile", "--out", str(out), timeout=400,
+                  "--variants", "infini_dist,collective_free,eager", "--profile", "--out", str(out),
+                  timeout=400,
                   HF_HUB_OFFLINE="1")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
@@ -37,7 +40,7 @@ def test_cpu_smoke_llama_tp(tmp_path):
     assert meta["config"]["hidden"] == 64
     rows = {(r["family"], r["shape"], r["variant"]): r for r in data["rows"]}
     assert set(rows) == {("llama", s, v) for s in ("decode b2", "prefill 16")
-                         for v in ("infini_dist", "eager")}
+                         for v in ("infini_dist", "collective_free", "eager")}
     for (_, shape, variant), row in rows.items():
         assert "error" not in row, row
         assert row["median_us"] > 0 and math.isfinite(row["median_us"])
@@ -46,11 +49,18 @@ def test_cpu_smoke_llama_tp(tmp_path):
             continue
         assert row["cudagraphs"] is False, row  # mode="default": none asked for, none skipped
         assert "cudagraph_skips" not in row, row
-        # fp32: only reordering separates the compiled TP model from eager DTensor
-        assert math.isfinite(row["rel_l2_vs_eager"]) and row["rel_l2_vs_eager"] < 1e-4
-        assert row["dynamo_graphs"] == 1
         # interleaved rounds (2 x 3 calls) under no_grad as the first call: no recompile
         assert row["samples"] == 6 and row["timing_graphs"] == 0, row
+        assert row["dynamo_graphs"] == 1
+        if variant == "collective_free":
+            # embedding, o_proj and down_proj all_reduces, the lm_head's all_gather: all gone
+            assert row["floor"] and row["collectives_removed"] == 4, row
+            assert row["collectives_left"] == 0 and "rel_l2_vs_eager" not in row, row
+            continue
+        floor = rows[("llama", shape, "collective_free")]["median_us"]
+        assert row["over_floor"] == pytest.approx(row["median_us"] / floor)
+        # fp32: only reordering separates the compiled TP model from eager DTensor
+        assert math.isfinite(row["rel_l2_vs_eager"]) and row["rel_l2_vs_eager"] < 1e-4
         assert row["call_p10_us"] <= row["median_us"] == row["call_us"] <= row["call_p90_us"]
         assert row["host_us"] > 0 and row["round_spread"] >= 1 and "gpu_us" not in row
         if row["kind"] == "decode":  # --profile: one decode step's host view
@@ -65,15 +75,23 @@ def test_cpu_smoke_llama_tp(tmp_path):
             assert d["choice"] in d["times_us"] and "native" in d["times_us"]
     assert data["verdict"]["check_failures"] == []
     # no model directory left behind under --out; rank 0's profiler trace of the decode step
-    assert sorted(p.name for p in out.iterdir()) == ["results.json",
-                                                     "trace_llama_decode_b2_infini_dist.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "results.json", "trace_llama_decode_b2_collective_free.json",
+        "trace_llama_decode_b2_infini_dist.json"]
 
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert lines[-1] == "correctness: infini_dist vs eager, relative L2 <= 0.0001: ok"
-    assert lines[-2].startswith("target: infini_dist >= 1.2x over inductor at decode batch <= 32")
-    for line, shape in zip(lines[-4:-2], ("decode b2", "prefill 16")):
-        b = rows[("llama", shape, "infini_dist")]
-        assert line.strip().startswith(shape) and f"{b['median_us']:.1f}" in line
+    assert lines[-2].startswith("target: infini_dist <= 1.03x the collective_free step at decode "
+                                "batch <= 32, never slower than inductor: ")
+    assert lines[-3].startswith("floor: collective_free") and \
+        lines[-3].endswith("8 collective(s) replaced, none left")
+    for line, shape in zip(lines[-5:-3], ("decode b2", "prefill 16")):
+        b, f = rows[("llama", shape, "infini_dist")], rows[("llama", shape, "collective_free")]
+        cells = line.split()
+        assert line.strip().startswith(shape) and f"{b['median_us']:.1f}" in cells
+        # floor, b/f beside the pass's time; a/f is '-' without the plain variant
+        assert f"{f['median_us']:.1f}" in cells and f"{b['over_floor']:.3f}" in cells
+    assert lines[-6].split()[:5] == ["shape", "inductor", "+infini", "floor", "eager"]
     assert "== llama ==" in run.stdout and "interleaved timing" in run.stdout
     assert "profile decode b2 infini_dist (rank 0, per step): host" in run.stdout
 
@@ -105,6 +123,40 @@ def test_tp_plan_argument_follows_transformers(monkeypatch):
     for stand_in in (Older, None):
         monkeypatch.setattr(transformers, "DistributedConfig", stand_in)
         assert bench_hf.tp_load_kwargs() == {"tp_plan": "auto"}  # 5.17, the GPU image
+
+
+def test_floor_target_and_checks():
+    """Decode is judged against the collective-free step (plain's ratio beside it), prefill
+    against plain; a floor that kept a collective fails the run."""
+    class Args:
+        tol, variants = 1e-2, ["inductor", "infini_dist", "collective_free", "eager"]
+    d1, d8, pre = Shape("decode", 1, 1), Shape("decode", 8, 1), Shape("prefill", 1, 1024)
+    floor = dict(collectives_removed=4, collectives_left=0, floor=True)
+    rows = [dict(shape=d1.name, variant="inductor", median_us=110.0, rel_l2_vs_eager=1e-3),
+            dict(shape=d1.name, variant="infini_dist", median_us=102.0, rel_l2_vs_eager=1e-3),
+            dict(shape=d1.name, variant="collective_free", median_us=100.0, **floor),
+            dict(shape=d8.name, variant="inductor", median_us=130.0, rel_l2_vs_eager=1e-3),
+            dict(shape=d8.name, variant="infini_dist", median_us=125.0, rel_l2_vs_eager=1e-3),
+            dict(shape=d8.name, variant="collective_free", median_us=120.0,
+                 **{**floor, "collectives_left": 1}),
+            dict(shape=pre.name, variant="inductor", median_us=900.0, rel_l2_vs_eager=1e-3),
+            dict(shape=pre.name, variant="infini_dist", median_us=950.0, rel_l2_vs_eager=1e-3),
+            dict(shape=pre.name, variant="collective_free", median_us=800.0, **floor)]
+    bench_hf.add_floor_ratios(rows)
+    by = {(r["shape"], r["variant"]): r for r in rows}
+    assert by[(d1.name, "infini_dist")]["over_floor"] == pytest.approx(1.02)
+    assert by[(d1.name, "inductor")]["over_floor"] == pytest.approx(1.1)
+    assert "over_floor" not in by[(d1.name, "collective_free")]
+    lines, verdict = bench_hf.summary(rows, [d1, d8, pre], Args, False, bench_hf.TARGET)
+    # b1: 1.02x <= 1.03x, met; b8: 1.042x; prefill: slower than plain
+    assert verdict["target_misses"] == [
+        "decode b8: 1.042x the collective_free step > 1.03x (inductor 1.083x)",
+        "prefill 1024: 0.95x < 1.0x"]
+    assert verdict["check_failures"] == [
+        "decode b8: collective_free is no floor: 4 collective(s) replaced, 1 left in its graphs"]
+    assert lines[-1].endswith(": ok")  # the pass's logits are fine; the floor is the failure
+    assert lines[-3].startswith("floor: ") and "1 left in its graphs" in lines[-3]
+    assert "1.020  1.100" in lines[3]  # decode b1: b/f, a/f
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,8 +1,9 @@
 """`infini-dist bench --model`: the end-to-end TP decoder benchmark.
 
-One run of the whole flow on 2 gloo CPU ranks (--cpu-smoke, tiny sizes): both compiled variants
-and eager, decode and prefill, the table, results.json and the correctness check. The rest runs
-in process: the decode attention against a plain reference, the size checks and the verdict.
+One run of the whole flow on 2 gloo CPU ranks (--cpu-smoke, tiny sizes): the compiled variants
+(plain, the pass, the collective-free floor) and eager, decode and prefill, the table,
+results.json and the correctness check. The rest runs in process: the decode attention against
+a plain reference, the size checks and the verdict.
 Inductor's C++ compiles are the slow part (about half a minute on 2 idle cores), so there is one
 run with one decode batch size and one prefill.
 """
@@ -26,20 +27,25 @@ TINY = ["--layers", "2", "--hidden", "32", "--mlp", "64", "--heads", "4", "--kv-
 def test_cpu_smoke_runs_the_whole_flow(tmp_path):
     out = tmp_path / "out"
     run = run_cli(tmp_path, "bench", "--model", "--nproc", "2", "--cpu-smoke", *TINY,
-                  "--out", str(out), timeout=240)
+                  "--out", str(out), timeout=400)  # 6 compiles: 80 s idle, 210 s on a busy box
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["world_size"] == 2 and data["meta"]["cpu_smoke"]
     rows = {(r["shape"], r["variant"]): r for r in data["rows"]}
     assert set(rows) == {(s, v) for s in ("decode b2", "prefill 4")
-                         for v in ("inductor", "infini_dist", "eager")}
+                         for v in ("inductor", "infini_dist", "collective_free", "eager")}
     for (shape, variant), row in rows.items():
         assert "error" not in row and row["mode"] == "eager", row
         assert row["median_us"] > 0
-        if variant != "eager":
+        if variant == "collective_free":  # the o_proj and down_proj all_reduces of 2 layers
+            assert row["collectives_removed"] == 4 and row["collectives_left"] == 0, row
+            assert "rel_l2_vs_eager" not in row and "over_floor" not in row
+        elif variant != "eager":
             assert row["dynamo_graphs"] == 1  # compiled once for this shape, no graph break
             assert row["rel_l2_vs_eager"] < 1e-4  # fp32: only reordering separates them
+            assert row["over_floor"] == row["median_us"] / rows[(shape, "collective_free")][
+                "median_us"]
         if variant == "infini_dist":
             # all_reduce -> add -> rms_norm after o_proj and down_proj of both layers
             assert row["sites"] == 4 and row["pass_graphs"] == 1
@@ -51,9 +57,10 @@ def test_cpu_smoke_runs_the_whole_flow(tmp_path):
     assert data["verdict"]["check_failures"] == []
 
     lines = [line for line in run.stdout.splitlines() if line.strip()]
-    # The short summary table comes last: header, one row per shape, target, correctness.
-    assert lines[-5].split()[:4] == ["shape", "inductor", "+infini", "eager"]
-    for line, shape in zip(lines[-4:-2], ("decode b2", "prefill 4")):
+    # The short summary table comes last: header, one row per shape, floor, target, correctness.
+    assert lines[-6].split()[:5] == ["shape", "inductor", "+infini", "floor", "eager"]
+    assert lines[-3].endswith("8 collective(s) replaced, none left")
+    for line, shape in zip(lines[-5:-3], ("decode b2", "prefill 4")):
         assert line.strip().startswith(shape)
         b = rows[(shape, "infini_dist")]
         assert f"{b['median_us']:.1f}" in line and f"{b['rel_l2_vs_eager']:.2e}" in line
