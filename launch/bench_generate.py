@@ -173,7 +173,7 @@ def run_variant(args) -> int:
     return 0
 
 
-# ---- the driver: alternating processes --------------------------------------------------------
+# ---- the driver: alternating processes -----------------------------------------------------------
 
 def child_argv(args, variant: str, path: str) -> list[str]:
     """A round's argv for one route: every model and generation flag as this driver got it."""
@@ -215,7 +215,7 @@ def alternate(args) -> int:
     return 1 if problems else 0
 
 
-# ---- arguments ------------------------------------------------------------------------------------
+# ---- arguments -----------------------------------------------------------------------------------
 
 def add_arguments(parser):
     parser.add_argument("--variant", choices=VARIANTS, help="run this one route (under torchrun)")
