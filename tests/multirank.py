@@ -165,12 +165,16 @@ def run_process(argv: list[str], *, timeout: float, env: dict | None = None,
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
+def launch_env(tmp_path, **env: str) -> dict:
+    """This environment with short tuning and decision and Inductor caches of its own under
+    `tmp_path`, for a launched job; `env` adds or overrides."""
+    return dict(os.environ, INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"),
+                INFINI_DIST_BENCHMARK_REPS="2", INFINI_DIST_BENCHMARK_WARMUP="1",
+                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+                TORCHINDUCTOR_COMPILE_THREADS="1", **env)
+
+
 def run_cli(tmp_path, *argv: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    """`infini-dist <argv>` in a subprocess (torchrun under it for --nproc), with short tuning
-    and its own decision and Inductor caches under `tmp_path`; `env` adds or overrides."""
-    environ = dict(os.environ, INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"),
-                   INFINI_DIST_BENCHMARK_REPS="2", INFINI_DIST_BENCHMARK_WARMUP="1",
-                   TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-                   TORCHINDUCTOR_COMPILE_THREADS="1", **env)
-    return run_process([sys.executable, "-m", "infini_dist.launch.cli", *argv], env=environ,
-                       timeout=timeout)
+    """`infini-dist <argv>` in a subprocess (torchrun under it for --nproc), with launch_env."""
+    return run_process([sys.executable, "-m", "infini_dist.launch.cli", *argv],
+                       env=launch_env(tmp_path, **env), timeout=timeout)

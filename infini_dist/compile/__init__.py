@@ -60,6 +60,12 @@ class _Chain(CustomGraphPass):
         for p in self.passes:
             p(graph)
 
+    def __eq__(self, other):  # a deep copy (transformers' CompileConfig) is the same chain
+        return isinstance(other, _Chain) and self.passes == other.passes
+
+    def __hash__(self):
+        return hash(self.passes)
+
     def uuid(self):
         ids = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
         return None if any(i is None for i in ids) else repr(ids)  # None: not cacheable

@@ -206,5 +206,13 @@ class FusionPass(CustomGraphPass):
     def __repr__(self):
         return "infini_dist.compile.FusionPass()"
 
+    # Stateless, so every copy is the one pass: transformers deep-copies a CompileConfig at each
+    # generate() call and compiles again when the copy's options differ from the last ones.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 FUSION_PASS = FusionPass()
