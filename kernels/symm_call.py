@@ -184,9 +184,12 @@ def quant_options(quant) -> dict:
         if operands:
             raise ValueError(f"quantizer {name!r} takes no operand, got {len(operands)}")
         return {"quant": QUANT_CODES[name]}
-    if len(operands) > 1:
-        raise ValueError(f"quantizer {name!r} takes its {quantizer.scalar} or nothing (the "
-                         f"default), got {len(operands)} operands")
+    # A per-row quantizer's floor has a natural default; a static scale has none (a scale left
+    # out would quantize by 1.0: a wrong answer, not an error).
+    if len(operands) > 1 or (not operands and not quantizer.row_scale):
+        raise ValueError(f"quantizer {name!r} takes its {quantizer.scalar}"
+                         f"{' or nothing (the default)' if quantizer.row_scale else ''}, got "
+                         f"{len(operands)} operand(s)")
     value = operands[0] if operands else dict(SPECS[name].attrs)[quantizer.scalar]
     return {"quant": QUANT_CODES[name], "quant_scale": float(value)}
 

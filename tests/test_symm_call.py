@@ -34,6 +34,8 @@ def _buffer(world_size=2, data_bytes=1 << 12):
     (torch.randn(2, 4), {"weight": torch.randn(3)}, "shape (4,)"),
     (torch.randn(2, 4), {"weight": torch.randn(4), "residual": torch.randn(4)}, "residual"),
     (torch.randn(64, 64), {}, "this call needs"),
+    (torch.randn(2, 4), {"quant": ("quant_fp8",)}, "takes its scale, got 0"),
+    (torch.randn(2, 4), {"quant": ("quant_fp8_tensor_scale",)}, "takes its scale tensor"),
 ])
 def test_bad_input_raises_before_launch(x, options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
