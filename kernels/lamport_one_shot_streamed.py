@@ -99,9 +99,9 @@ def lamport_one_shot_streamed_kernel(
 def lamport_one_shot_streamed_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
     layout, head, kwargs = fused_arguments(x, buffer, out, **options)
-    # One item a step unless tuning forces more, and twice the layout's warps: on 2 H200s,
-    # add_rms_norm x 4096 bf16 ran 3-6% faster so from 128 to 8192 tokens than with the
-    # two-shots' items per step and warps (docs/notes_symm.md, session 11).
+    # One item a step unless tuning forces more: on 2 H200s, add_rms_norm x 4096 bf16 at 8192
+    # tokens ran 2-6% faster so than with 2 or 4 (docs/notes_symm.md, session 11). Twice the
+    # layout's warps: 8 and 16 measured the same there, 4 was 45% slower at 8192.
     group = group_items(triton.cdiv(x.numel(), layout.item), layout.grid, tuning) \
         if tuning.group_items else 1
     args = head + (buffer.data_table, buffer.epoch, x.numel(), slot_elements(x.numel()),
