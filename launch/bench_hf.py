@@ -300,6 +300,9 @@ def add_arguments(parser):
     parser.add_argument("--tol", type=positive_float, default=None,
                         help="max relative L2 error of the logits vs eager (default 5e-2 bf16, "
                              "1e-4 fp32)")
+    parser.add_argument("--matmul-prologue", action="store_true",
+                        help="the pass also takes each row-parallel matmul into its site "
+                             "(config.matmul_prologue): GEMM + all_reduce overlap")
     parser.add_argument("--out", default="bench_hf_out")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="gloo CPU ranks, float32, no CUDA graphs: checks the script itself")
@@ -328,6 +331,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     device, dtype, control = setup(args)
     rank = dist.get_rank()
+    import infini_dist
+    if args.matmul_prologue:
+        infini_dist.config.matmul_prologue = True
     if rank == 0:
         print(f"TP={dist.get_world_size()} {device.type} {dtype}, transformers TP, "
               f"families {args.families}; inductor = torch.compile(mode={args.mode!r}), "
@@ -357,7 +363,8 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         meta = run_meta(args, device, dtype, started)
         meta.update(families=args.families, transformers=transformers.__version__,
-                    mode=args.mode, config={k: getattr(args, k) for k in (
+                    mode=args.mode, matmul_prologue=infini_dist.config.matmul_prologue,
+                    config={k: getattr(args, k) for k in (
                         "layers", "hidden", "mlp", "heads", "kv_heads", "vocab", "context")})
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)

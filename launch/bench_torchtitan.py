@@ -63,6 +63,25 @@ CPU_SMOKE = dict(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256, seq=
                  dtype="float32")
 
 
+def torch_compat() -> str | None:
+    """torchtitan 0.3.0 imports `DataParallelMeshDims` from torch.distributed.fsdp at module level
+    (torch >= 2.12); the GPU image's torch 2.11 lacks the name. It is read only under its
+    full_dtensor / spmd_types backends (fully_shard(dp_mesh_dims=...)); the partial_dtensor path
+    here passes None and never calls fully_shard with it. So on a torch without it the name is
+    given a placeholder that refuses to be built, and nothing else of torchtitan's changes.
+    Returns what was done (None: nothing), for results.json."""
+    import torch.distributed.fsdp as fsdp
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return None
+
+    class DataParallelMeshDims:  # noqa: D401 - a stand-in, never instantiated on this path
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError(f"torch {torch.__version__} has no DataParallelMeshDims: "
+                                      "torchtitan's full_dtensor backend needs torch >= 2.12")
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
+    return f"torch {torch.__version__}: torch.distributed.fsdp.DataParallelMeshDims placeholder"
+
+
 def llama3_config(setup: Setup):
     """torchtitan's Llama3 config at this size, its layers from its own builder."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -294,6 +313,7 @@ def main(argv=None) -> int:
     from infini_dist.launch.bench_model import setup as join_job
     device, _, control = join_job(args)  # gloo for --cpu-smoke; the FX caches off (sites seen)
     tol = args.tol or (1e-4 if args.setup.dtype == "float32" else 2e-2)
+    compat = torch_compat()  # before torchtitan's first import
     rows = run(args, device, control)
     verdicts = [r["vs_inductor"] for r in rows if "vs_inductor" in r]
     ok = all(v["loss_rel_diff"] <= tol and v["grad_rel_diff"] <= tol for v in verdicts)
@@ -303,7 +323,7 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         meta = {"world_size": dist.get_world_size(), "setup": asdict(args.setup), "tol": tol,
                 "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "ok": ok,
-                "torch": torch.__version__,
+                "torch": torch.__version__, "torch_compat": compat,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
         public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
         with open(os.path.join(args.out, "results.json"), "w") as f:

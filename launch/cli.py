@@ -25,6 +25,8 @@ BENCH_MODES = {"--model": ("bench_model", "the end-to-end TP decoder benchmark")
                "--hf": ("bench_hf", "Hugging Face models under transformers' TP: llama, "
                                     "qwen2, mistral"),
                "--train": ("bench_train", "the TP decoder training step benchmark"),
+               "--sp": ("bench_sp", "sequence parallelism (torch's TP-tutorial plan): forward "
+                                    "and training step"),
                "--eager": ("bench_eager", "eager op calls against a bare NCCL all_reduce: host "
                                           "and device time, and the path that served them")}
 
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
     nproc = args.nproc or default_nproc()
     # the rules between flags, for this many ranks: a refusal here starts no rank
     args.module.finish(args.parser, args, nproc)
-    own = {"--nproc": 1, **({mode: 0} if mode in ("--model", "--train", "--eager") else {})}
+    own = {"--nproc": 1, **({mode: 0} if mode in ("--model", "--train", "--sp", "--eager") else {})}
     return torchrun(args.module.__name__, nproc, _forwarded(words, own))
 
 

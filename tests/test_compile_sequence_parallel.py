@@ -96,7 +96,7 @@ def sp_training_rank(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     import infini_dist.compile as idc
-    import sp_model
+    from infini_dist.launch import sp_model
     from infini_dist.compile import passes
     _own_inductor_cache(rank)
     seen = []

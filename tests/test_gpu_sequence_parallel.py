@@ -1,4 +1,4 @@
-"""Sequence parallelism on GPUs: torch's TP-tutorial plan (tests/sp_model.py) in bf16, compiled
+"""Sequence parallelism on GPUs: torch's TP-tutorial plan (launch/sp_model.py) in bf16, compiled
 with the pass, with the engine made to commit one of our one-launch reduce_scatter -> add +
 RMSNorm -> all_gather algorithms (symm_scatter_gather, or one_shot_scatter_gather, at their full
 depth) wherever it can. A training step's output and gradients against eager SP, then
@@ -8,7 +8,6 @@ reduce-overhead inference (CUDA graphs) replayed against eager.
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
@@ -22,19 +21,6 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _prefer(algorithm: str):
-    """A timing hook: `algorithm` wins, the deeper the better; native loses to everything."""
-    def hook(medians: dict) -> dict:
-        def time(name):
-            if name == "native":
-                return 10.0
-            depth = re.search(r"\[p\d+,e(\d+)\]", name)
-            mine = name.startswith(algorithm)
-            return (5.0 if mine else 9.0) - (0.1 * int(depth.group(1)) if depth else 0.0)
-        return {n: time(n) for n in medians}
-    return hook
-
-
 def _error(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / (b.norm() + 1e-12))
@@ -44,10 +30,11 @@ def sp_gpu_rank(rank, world, algorithm):
     from torch.distributed.device_mesh import init_device_mesh
 
     import infini_dist.compile as idc
-    import sp_model
+    from infini_dist.launch import sp_model
+    from infini_dist.launch.bench_sp import prefer
     from infini_dist.scheduler import engine
     torch.cuda.set_device(rank)
-    engine.timing_hook = _prefer(algorithm)
+    engine.timing_hook = prefer(algorithm)
     mesh = init_device_mesh("cuda", (world,))
     torch.manual_seed(0)
     full = sp_model.Model(layers=2, dim=512, hidden=1024, head_dim=64).cuda().bfloat16()
