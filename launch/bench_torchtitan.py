@@ -166,29 +166,15 @@ def forward_kwargs(model, setup: Setup, device) -> dict:
 
 @contextlib.contextmanager
 def graph_sites():
-    """Every graph the pass rewrites while open: forward or backward (AOTAutograd names the
-    backward's inputs tangents_*), its collectives before the pass, and the sites it made."""
-    from infini_dist.compile import passes
-    from infini_dist.scheduler.ir import subgraph_from_text
-    graphs, original = [], passes.fuse_sites
-
-    def recording(graph, settings):
-        nodes = list(graph.nodes)
-        kind = "backward" if any(n.op == "placeholder" and n.name.startswith("tangents")
-                                 for n in nodes) else "forward"
-        collectives = [str(n.target).split(".")[1] for n in nodes if n.op == "call_function" and
-                       str(n.target).startswith(("_c10d_functional.", "symm_mem."))
-                       and "wait_tensor" not in str(n.target)]
-        texts = original(graph, settings)
-        graphs.append({"kind": kind, "collectives": collectives,
-                       "sites": ["+".join(n.op_type for n in subgraph_from_text(t).nodes)
-                                 for t in texts]})
-        return texts
-    passes.fuse_sites = recording
-    try:
-        yield graphs
-    finally:
-        passes.fuse_sites = original
+    """Every graph the pass runs on while open, as the results list it: forward or backward,
+    its collectives before the pass, and the sites it made (op types joined by "+"). The list
+    fills when the block ends."""
+    import infini_dist.compile as idc
+    rows: list[dict] = []
+    with idc.recording() as graphs:
+        yield rows
+    rows += [{"kind": g.kind, "collectives": list(g.collectives),
+              "sites": ["+".join(ops) for ops in g.site_ops()]} for g in graphs]
 
 
 def train(variant: str, setup: Setup, args, device, control, initial: dict | None) -> dict:

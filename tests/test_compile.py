@@ -131,6 +131,22 @@ def test_fusion_disabled_leaves_the_graph_unfused():
     assert gm.code == code and FUSED not in [n.target for n in gm.graph.nodes]
 
 
+def test_recording_lists_each_graph_the_pass_runs_on():
+    graphs_before = idc.stats["graphs"]
+    with idc.recording() as outer:
+        with idc.recording() as inner:
+            (sub,) = fuse(export(_chain, *_chain_args()))
+        assert fuse(export(_chain, *_chain_args()), enable_custom_op_fusion=False) == []
+    fuse(export(_chain, *_chain_args()))  # after both blocks: in neither
+    assert idc.stats["graphs"] - graphs_before == 3
+    assert inner == outer[:1] and len(outer) == 2
+    fused, off = outer
+    assert (fused.kind, fused.collectives, fused.native_sites) == ("forward", ("all_reduce",), 0)
+    assert fused.site_ops() == [ops_of(sub)] and len(fused.sites) == 1
+    # Fusion off: the graph is still seen, with its collective, and has no site.
+    assert (off.kind, off.collectives, off.sites) == ("forward", ("all_reduce",), ())
+
+
 @pytest.mark.parametrize("flags, expected", [
     ({}, ["relu", "scale", "all_reduce", "add_rms_norm", "relu", "scale"]),
     ({"max_fusion_depth": 2}, ["relu", "scale", "all_reduce", "add_rms_norm", "relu"]),

@@ -97,16 +97,7 @@ def sp_training_rank(rank, world):
 
     import infini_dist.compile as idc
     from infini_dist.launch import sp_model
-    from infini_dist.compile import passes
     _own_inductor_cache(rank)
-    seen = []
-    original = passes.fuse_sites
-
-    def recording(graph, settings):  # every graph the pass rewrites: forward and backward
-        texts = original(graph, settings)
-        seen.append(list(texts))
-        return texts
-    passes.fuse_sites = recording
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # the same full weights and input on every rank
     full = sp_model.Model()
@@ -117,17 +108,19 @@ def sp_training_rank(rank, world):
     shard = x.chunk(world, dim=1)[rank].contiguous()
     local_grad = grad.chunk(world, dim=1)[rank]
     results = {}
-    for name, module, fn in (("eager", eager, eager), ("compiled", model,
-                                                       idc.compile_model(model))):
-        inputs = shard.clone().requires_grad_(True)
-        out = fn(inputs)
-        out.backward(local_grad)
-        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                 for n, p in module.named_parameters()}
-        results[name] = (out.detach(), inputs.grad, grads)
+    with idc.recording() as graphs:  # every graph the pass rewrites: forward and backward
+        for name, module, fn in (("eager", eager, eager), ("compiled", model,
+                                                           idc.compile_model(model))):
+            inputs = shard.clone().requires_grad_(True)
+            out = fn(inputs)
+            out.backward(local_grad)
+            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                     for n, p in module.named_parameters()}
+            results[name] = (out.detach(), inputs.grad, grads)
     reference = full(x).chunk(world, dim=1)[rank]
     (out, x_grad, grads), (e_out, e_x_grad, e_grads) = results["compiled"], results["eager"]
-    return {"graphs": seen, "eager_vs_full": float((e_out - reference).abs().max()),
+    return {"graphs": [list(g.sites) for g in graphs], "kinds": [g.kind for g in graphs],
+            "eager_vs_full": float((e_out - reference).abs().max()),
             "out": float((out - e_out).abs().max()),
             "x_grad": float((x_grad - e_x_grad).abs().max()),
             "grads": max(float((grads[n] - e_grads[n]).abs().max()) for n in grads)}
@@ -139,6 +132,7 @@ def test_tp_tutorial_sequence_parallel_trains_with_the_pass(tmp_path):
     for r in results:
         assert r["eager_vs_full"] < 1e-5  # the sharding itself is right
         assert r["out"] < 1e-5 and r["x_grad"] < 1e-5 and r["grads"] < 1e-5
+        assert r["kinds"] == ["forward", "backward"]
         forward, backward = r["graphs"][0], r["graphs"][1]
         ops = [[n.op_type for n in subgraph_from_text(t).nodes] for t in forward]
         # Layer 0's gather takes what the norm computes after the rsqrt, which backward keeps.

@@ -83,10 +83,11 @@ def tp_block_rank(rank, world):
         executed = sorted({text for text, _, _ in STORE.site_executors()})  # the sites that ran
         torch._dynamo.reset()  # compile again: Inductor's FX graph cache has it
         hits = counters["inductor"]["fxgraph_cache_hit"]
-        again = idc.compile_model(block)(x)
+        with idc.recording() as recorded_after_hit:
+            again = idc.compile_model(block)(x)
         hits = counters["inductor"]["fxgraph_cache_hit"] - hits
     return {"sites": sites, "executed": executed, "replaced": replaced,
-            "replaced_after_hit": idc.stats["sites"],
+            "replaced_after_hit": idc.stats["sites"], "recorded_after_hit": recorded_after_hit,
             "cache_hits": hits, "decided": decided, "tp_vs_full": _max_diff(eager, reference),
             "compiled_vs_eager": _max_diff(out, eager), "cached_vs_eager": _max_diff(again, eager)}
 
@@ -109,6 +110,7 @@ def test_tp_llama_block_compiled_with_inductor(tmp_path):
         # The second compile came from the FX graph cache: the pass did not run again, and the
         # cached code still carries both sites.
         assert r["cache_hits"] >= 1 and r["replaced_after_hit"] == 2
+        assert r["recorded_after_hit"] == []
         assert r["cached_vs_eager"] < 1e-5
     assert results[0]["sites"] == results[1]["sites"]  # identical on every rank
     assert results[0]["decided"] == results[1]["decided"]
@@ -130,9 +132,10 @@ def funcol_rank(rank, world):
     expected = sum(torch.relu(torch.randn(4, 16, generator=torch.Generator().manual_seed(r)))
                    for r in range(world)) * 0.5
     expected = torch.relu(expected) * 2.0
-    out = idc.compile_model(relu_scale)(x)
-    return {"sites": list(idc.last_sites), "eager": _max_diff(relu_scale(x), expected),
-            "compiled": _max_diff(out, expected)}
+    with idc.recording() as graphs:
+        out = idc.compile_model(relu_scale)(x)
+    return {"sites": list(idc.last_sites), "graphs": graphs,
+            "eager": _max_diff(relu_scale(x), expected), "compiled": _max_diff(out, expected)}
 
 
 def test_funcol_prologue_and_relu_scale_compiled_with_inductor(tmp_path):
@@ -141,6 +144,10 @@ def test_funcol_prologue_and_relu_scale_compiled_with_inductor(tmp_path):
     for r in results:
         (sub,) = [subgraph_from_text(t) for t in r["sites"]]
         assert [n.op_type for n in sub.nodes] == ["relu", "scale", "all_reduce", "relu", "scale"]
+        (graph,) = r["graphs"]  # what recording() saw: the one forward graph, as compiled
+        assert (graph.kind, graph.collectives, graph.sites) == ("forward", ("all_reduce",),
+                                                                tuple(r["sites"]))
+        assert graph.site_ops() == [["relu", "scale", "all_reduce", "relu", "scale"]]
         assert r["eager"] < 1e-6 and r["compiled"] < 1e-6
 
 

@@ -18,7 +18,6 @@ import torch
 
 from multirank import run_ranks
 from test_compile_tp import _env, _own_inductor_cache
-from test_train_tp import record_sites
 
 VOCAB = 128
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -82,16 +81,16 @@ def family_rank(rank, world, path):
     engine.timing_hook = _deepest_fused  # this process only: a fresh rank per test
     _own_inductor_cache(rank)
     os.environ["WORLD_SIZE"] = str(world)  # transformers sizes TP from it (torchrun sets it)
-    graphs = record_sites()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  **tp_load_kwargs()).eval()
     check_sharded(model)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
+    with torch.no_grad(), idc.recording() as graphs:
         eager = model(input_ids=ids).logits
         compiled = idc.compile_model(model)(input_ids=ids).logits
     local = [t.to_local() if hasattr(t, "to_local") else t for t in (eager, compiled)]
-    return {"eager": local[0], "compiled": local[1], "sites": graphs[0] if graphs else [],
+    return {"eager": local[0], "compiled": local[1],
+            "sites": graphs[0].site_ops() if graphs else [],
             "choices": sorted({(d["op"], d["choice"]) for d in idc.decisions()})}
 
 

@@ -53,21 +53,6 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def record_sites():
-    """Every graph the pass rewrites in this process, as lists of IR op types per site."""
-    from infini_dist.compile import backend, passes
-    from infini_dist.scheduler.ir import subgraph_from_text
-    graphs = []
-    original = passes.fuse_sites
-
-    def spy(graph, settings):
-        texts = original(graph, settings)
-        graphs.append([[n.op_type for n in subgraph_from_text(t).nodes] for t in texts])
-        return texts
-    passes.fuse_sites = backend.fuse_sites = spy
-    return graphs
-
-
 def train(model, steps, forward=None):
     """`steps` SGD steps of `model`, run through `forward` (a compiled model) if given."""
     forward = model if forward is None else forward
@@ -89,17 +74,17 @@ def train(model, steps, forward=None):
 def train_rank(rank, world, path, route):
     import infini_dist.compile as idc
     _own_inductor_cache(rank)
-    graphs = record_sites()
-    eager = train(load_tp(path, world), STEPS)
-    model = load_tp(path, world)
-    if route == "inductor":
-        compiled = idc.compile_model(model)
-    else:
-        compiled = torch.compile(model, backend=idc.BACKEND_NAME)
-    start = time.perf_counter()
-    result = train(model, STEPS, compiled)
+    with idc.recording() as graphs:
+        eager = train(load_tp(path, world), STEPS)
+        model = load_tp(path, world)
+        if route == "inductor":
+            compiled = idc.compile_model(model)
+        else:
+            compiled = torch.compile(model, backend=idc.BACKEND_NAME)
+        start = time.perf_counter()
+        result = train(model, STEPS, compiled)
     print(f"rank {rank}: compiled training took {time.perf_counter() - start:.1f} s", flush=True)
-    return {"eager": eager, "compiled": result, "graphs": graphs,
+    return {"eager": eager, "compiled": result, "graphs": [g.site_ops() for g in graphs],
             "decided": sorted({d["choice"] for d in idc.decisions()})}
 
 

@@ -13,7 +13,11 @@ graph is compiled: `enable_custom_op_fusion` (off: graphs untouched), `custom_op
 `matmul_prologue` (the mm / addmm / linear feeding an all_reduce joins its site; off by default).
 They are part of the pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo
 does not know them, so call torch._dynamo.reset() after changing them in a running process.
-`decisions()` lists what the compiled sites committed; `stats` and `last_sites` what the pass did.
+`decisions()` lists what the compiled sites committed. What the pass did: `stats` ("graphs",
+"sites", "native_sites" in this process), `last_sites` (the latest graph's site texts), and
+
+    with infini_dist.compile.recording() as graphs:   # a GraphRecord per graph the pass runs on
+        model(x).sum().backward()                      # graphs[i].kind, .collectives, .sites
 """
 
 from __future__ import annotations
@@ -23,14 +27,30 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
 from infini_dist.compile.backend import BACKEND_NAME, register as _register_backend
-from infini_dist.compile.passes import FUSION_PASS, FusionPass, fuse_sites, last_sites, stats
+from infini_dist.compile.passes import FUSION_PASS, FusionPass, GraphRecord, fuse_sites
 from infini_dist.compile.recompile import recompiles, recompiling
 from infini_dist.compile.runtime_op import decisions
 
 __all__ = ["enable", "disable", "inductor_options", "compile_model", "FusionPass", "fuse_sites",
-           "decisions", "stats", "last_sites", "recompiles", "BACKEND_NAME"]
+           "decisions", "recording", "GraphRecord", "stats", "last_sites", "recompiles",
+           "BACKEND_NAME"]
 
 _register_backend()
+
+
+def recording():
+    """Context manager: a list that fills with the GraphRecord of each graph the pass runs on
+    (Inductor's or the infini_dist backend's) until the block ends; blocks may nest. A graph
+    Inductor serves from its FX graph cache does not run the pass and is not listed."""
+    return FUSION_PASS.log.recording()
+
+
+def __getattr__(name):
+    # Read at each access: the pass's log owns them, and last_sites is a new list per graph.
+    if name in ("stats", "last_sites"):
+        return getattr(FUSION_PASS.log, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _OPTION = "post_grad_custom_post_pass"
 _installed: dict = {}  # what enable() replaced, and what it put there

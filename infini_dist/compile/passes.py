@@ -20,10 +20,12 @@ time, native unless a fused choice beats it by `fusion_speedup_threshold`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import logging
 import operator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,15 +43,14 @@ from infini_dist.scheduler.store import STORE
 
 log = logging.getLogger("infini_dist")
 
-# What the pass did in this process: "graphs" seen, "sites" replaced, "native_sites" left as
-# Inductor's code (decided native before the graph compiled: compile/decided.py).
-stats: collections.Counter = collections.Counter()
-last_sites: list = []  # the SubGraph text of each site the latest call replaced
-
 # anchor IR op -> the module that matches its sites; any other (a registered user op): the shared
 # walk alone. Each has find_site(index, anchor, settings) and RUNS_ALONE.
 _KINDS = {op_type: kind for kind in (all_reduce_match, scatter_gather_match)
           for op_type in kind.OP_TYPES}
+
+# What a graph's record lists as its collectives (bench_torchtitan's table, tests); wait_tensor
+# only completes one of them.
+_COLLECTIVE_NAMESPACES = ("_c10d_functional.", "symm_mem.")
 
 _UUID_FLAGS = ("enable_custom_op_fusion", "custom_op_fusion_types", "enable_recursive_fusion",
                "max_fusion_depth", "matmul_prologue")
@@ -144,13 +145,19 @@ def _to_write(site: matching.FxSite, settings: Settings):
 
 
 def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
-    """Rewrite every site of `graph` in place; returns the SubGraph text of each."""
-    stats["graphs"] += 1
-    last_sites.clear()
+    """Rewrite every site of `graph` in place; returns the SubGraph text of each. Recorded in
+    FUSION_PASS's log like a graph Inductor hands the pass (the infini_dist backend calls this,
+    and its graphs count the same)."""
+    return FUSION_PASS.rewrite(graph, settings)
+
+
+def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
+    kind, collectives = _describe(graph)  # before the sites replace the collectives
     if not settings.enable_custom_op_fusion:
-        return []
+        return GraphRecord(kind, collectives, ())
     custom = anchors.anchor_names()
     replaced: list[str] = []
+    native = 0
     skipped: set = set()
     while True:
         found = None
@@ -165,24 +172,38 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
         if found is None:
             break
         index = matching.GraphIndex(graph, custom)
-        kind = _KINDS.get(found.op_type, matching)
-        site, text, inputs, outputs = _to_write(kind.find_site(index, found, settings), settings)
-        if text is not None and len(site.ops) == 1 and not kind.RUNS_ALONE:
+        kind_module = _KINDS.get(found.op_type, matching)
+        site, text, inputs, outputs = _to_write(kind_module.find_site(index, found, settings),
+                                                settings)
+        if text is not None and len(site.ops) == 1 and not kind_module.RUNS_ALONE:
             skipped.add(node)  # nothing of ours could run it: Inductor's own code, no dispatch
             continue
         if text is None:
             skipped.add(node)  # Inductor's own code: no dispatch, no fusion boundary
-            stats["native_sites"] += 1
+            native += 1
             continue
         _replace(graph, site, index, text, inputs, outputs)
         replaced.append(text)
     if replaced:
         graph.lint()
-        stats["sites"] += len(replaced)
         log.info("infini_dist: %d deferred-choice site(s) in a graph: %s", len(replaced),
                  "; ".join(_summary(t) for t in replaced))
-    last_sites[:] = replaced
-    return replaced
+    return GraphRecord(kind, collectives, tuple(replaced), native)
+
+
+def _describe(graph: fx.Graph) -> tuple[str, tuple[str, ...]]:
+    """(forward or backward, the collectives' short names). AOTAutograd names a backward's
+    inputs tangents_*; it is all the graph tells, so an inference graph is a forward."""
+    kind = "forward"
+    collectives = []
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            kind = "backward"
+        target = str(node.target)
+        if node.op == "call_function" and target.startswith(_COLLECTIVE_NAMESPACES) \
+                and "wait_tensor" not in target:
+            collectives.append(target.split(".")[1])
+    return kind, tuple(collectives)
 
 
 def _summary(text: str) -> str:
@@ -190,12 +211,71 @@ def _summary(text: str) -> str:
     return "+".join(node.op_type for node in sub.nodes)
 
 
+@dataclass(frozen=True)
+class GraphRecord:
+    """One graph the pass ran on: "forward" or "backward", the collectives it held before the
+    pass ("all_reduce", "reduce_scatter", ...), the SubGraph text of each site written, and how
+    many sites were left as Inductor's code, decided native (compile/decided.py)."""
+
+    kind: str
+    collectives: tuple[str, ...]
+    sites: tuple[str, ...]
+    native_sites: int = 0
+
+    def site_ops(self) -> list[list[str]]:
+        """Each site's IR op types, in order."""
+        return [[node.op_type for node in subgraph_from_text(t).nodes] for t in self.sites]
+
+
+class PassLog:
+    """What the pass did in this process: `stats` counts "graphs" seen, "sites" written and
+    "native_sites" left to Inductor; `last_sites` is the latest graph's site texts; recording()
+    collects the GraphRecord of each graph while open.
+
+    Only graphs the pass runs on count: a graph served from Inductor's FX graph cache skips the
+    post-grad passes and adds nothing. Inductor runs them in the process that compiles (its
+    compile workers only build kernels), so this log is that process's."""
+
+    def __init__(self):
+        self.stats: collections.Counter = collections.Counter()
+        self.last_sites: list[str] = []
+        self._open: list[list[GraphRecord]] = []
+
+    def add(self, record: GraphRecord) -> None:
+        self.stats["graphs"] += 1
+        self.stats["sites"] += len(record.sites)
+        self.stats["native_sites"] += record.native_sites
+        self.last_sites = list(record.sites)  # a new list: copies taken earlier stay as they were
+        for graphs in self._open:
+            graphs.append(record)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """A list that fills with the GraphRecord of each graph the pass runs on until the
+        block ends. Nested blocks each get every graph of their own span."""
+        graphs: list[GraphRecord] = []
+        self._open.append(graphs)
+        try:
+            yield graphs
+        finally:  # by identity: two open lists may be equal (both empty)
+            self._open = [g for g in self._open if g is not graphs]
+
+
 class FusionPass(CustomGraphPass):
     """The Inductor post-grad pass. Its uuid covers the code, the package version and the flags
     it reads, so Inductor's FX graph cache can keep graphs it rewrote."""
 
+    def __init__(self):
+        self.log = PassLog()
+
     def __call__(self, graph: fx.Graph) -> None:
-        fuse_sites(graph, infini_dist.config.snapshot())
+        self.rewrite(graph, infini_dist.config.snapshot())
+
+    def rewrite(self, graph: fx.Graph, settings: Settings) -> list[str]:
+        """The pass under `settings`, recorded in this pass's log; the sites' texts."""
+        record = _rewrite(graph, settings)
+        self.log.add(record)
+        return list(record.sites)
 
     def uuid(self) -> str:
         flags = {name: getattr(infini_dist.config, name) for name in _UUID_FLAGS}
@@ -206,8 +286,10 @@ class FusionPass(CustomGraphPass):
     def __repr__(self):
         return "infini_dist.compile.FusionPass()"
 
-    # Stateless, so every copy is the one pass: transformers deep-copies a CompileConfig at each
-    # generate() call and compiles again when the copy's options differ from the last ones.
+    # Every copy is the one pass: transformers deep-copies a CompileConfig at each generate()
+    # call and compiles again when the copy's options differ from the last ones. What the pass
+    # writes depends only on its uuid's inputs, never on its log, and a copy's graphs belong in
+    # the one log.
     def __copy__(self):
         return self
 
