@@ -57,6 +57,8 @@ from infini_dist.launch.arguments import (names, nonempty_ints, parse,
                                           positive_float, positive_int)
 from infini_dist.launch.bench_model import setup
 from infini_dist.launch.model_report import FLOOR
+from infini_dist.launch.sp_report import compare, table
+from infini_dist.scheduler.benchmark import time_reps
 
 VARIANTS = ("inductor", "infini_dist", FLOOR)
 ALGORITHMS = ("symm_scatter_gather", "one_shot_scatter_gather")
@@ -91,37 +93,6 @@ def rel_l2(out, ref) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-class Timer:
-    """Seconds of `fn()`: CUDA events around each call on GPU (no host sync in the loop),
-    wall time on CPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def samples(self, fn, count: int) -> list[float]:
-        self.sync()
-        if not self.cuda:
-            out = []
-            for _ in range(count):
-                begin = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - begin)
-            return out
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(count)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        self.sync()
-        return [start.elapsed_time(end) / 1e3 for start, end in events]
-
-
 class Run:
     """One process's variants at each --tokens: the same full weights, sharded afresh each time."""
 
@@ -129,9 +100,16 @@ class Run:
         from torch.distributed.device_mesh import init_device_mesh
         self.args, self.device, self.dtype, self.control = args, device, dtype, control
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        self.timer = Timer(device)
         self.floor = collective_free.CollectiveFree()
         self.full = self._full_model()
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def _full_model(self):
         from infini_dist.launch import sp_model
@@ -213,7 +191,7 @@ class Run:
             with self.settings(variant):
                 begin = time.perf_counter()
                 out = call()
-                self.timer.sync()
+                self.sync()
                 row["first_call_s"] = time.perf_counter() - begin
                 for _ in range(warmup):
                     call()
@@ -229,17 +207,17 @@ class Run:
     def profile(self, row: dict, call) -> None:
         """The top ops of one call, by host and by device time, printed on rank 0."""
         from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.timer.cuda else [])
-        self.timer.sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.sync()
         with self.settings(row["variant"]), profile(activities=activities) as prof:
             call()
-            self.timer.sync()
+            self.sync()
         if dist.get_rank() == 0:
             what = f"{row['tokens']} {row['kind']} {row['variant']}"
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
                                               max_name_column_width=60)
             print(f"-- profile {what}, by host time --\n{table}", flush=True)
-            if self.timer.cuda:
+            if self.cuda:
                 table = prof.key_averages().table(sort_by="self_device_time_total",
                                                   row_limit=10, max_name_column_width=60)
                 print(f"-- by device time --\n{table}", flush=True)
@@ -248,10 +226,10 @@ class Run:
         """(median device-side seconds of this round's calls, median host seconds or None)."""
         count = self.args.iters if row["kind"] == "forward" else self.args.steps
         with self.settings(row["variant"]):
-            step = statistics.median(self.timer.samples(call, count))
+            step = statistics.median(time_reps(call, self.device, 0, count))
             if row["kind"] != "forward":
                 return step, None
-            self.timer.sync()
+            self.sync()
             host = []
             for _ in range(count):  # no sync: where the host is the bound, these meet the step
                 begin = time.perf_counter()
@@ -329,54 +307,6 @@ class Run:
                     f" [{self.args.force} never offered]" if row.get("forced_taken") is False
                     else ""), flush=True)
         return rows
-
-
-def compare(rows: list, tol: float) -> list[str]:
-    """Each compiled row's time over inductor's and over the floor's, and what failed."""
-    failures = []
-    for row in rows:
-        same = {r["variant"]: r for r in rows if r["tokens"] == row["tokens"]
-                and r["kind"] == row["kind"] and "ms" in r}
-        if row["variant"] == FLOOR:
-            continue
-        for name, key in (("inductor", "over_inductor"), (FLOOR, "over_floor")):
-            if "ms" in row and name in same:
-                row[key] = row["ms"] / same[name]["ms"]
-        if "error" in row:
-            failures.append(f"{row['tokens']} {row['kind']} {row['variant']}: {row['error']}")
-        elif row.get("rel_l2_vs_eager", 0.0) > tol:
-            failures.append(f"{row['tokens']} forward {row['variant']}: rel L2 "
-                            f"{row['rel_l2_vs_eager']:.3g} > {tol}")
-        elif row["kind"] == "train" and row["variant"] != "inductor" \
-                and "losses" in same.get("inductor", {}):
-            base = same["inductor"]["losses"]
-            diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(row["losses"], base))
-            row["loss_rel_diff"] = diff
-            if diff > tol:
-                failures.append(f"{row['tokens']} train {row['variant']}: loss curve differs "
-                                f"by {diff:.3g} > {tol}")
-    return failures
-
-
-def table(rows: list, force: str | None, eager_timing: bool) -> str:
-    marks = [m for m in (force, "eager timing" if eager_timing else None) if m]
-    name = f"infini_dist[{', '.join(marks)}]" if marks else "infini_dist"
-    lines = ["| tokens | step | variant | ms | host ms | / inductor | / floor "
-             "| rel L2 or loss diff | sites | chosen |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        shown = r["variant"].replace("infini_dist", name, 1)
-        if "ms" not in r:
-            lines.append(f"| {r['tokens']} | {r['kind']} | {shown} | {r['error'][:120]} "
-                         "| | | | | | |")
-            continue
-        check = r.get("rel_l2_vs_eager", r.get("loss_rel_diff"))
-        ratios = [f"{r[k]:.3f}" if k in r else "" for k in ("over_inductor", "over_floor")]
-        host = f"{r['host_ms']:.3f}" if "host_ms" in r else ""
-        lines.append(f"| {r['tokens']} | {r['kind']} | {shown} | {r['ms']:.3f} | {host} | "
-                     f"{ratios[0]} | {ratios[1]} | "
-                     f"{'' if check is None else f'{check:.2e}'} | {r.get('sites', '')} | "
-                     f"{' '.join(r.get('chosen', []))} |")
-    return "\n".join(lines)
 
 
 def add_arguments(parser):

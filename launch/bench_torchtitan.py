@@ -14,7 +14,9 @@ torch._dynamo.reset() lets the blocks compile again, so that sites decided nativ
 Inductor's own code (README, "Once the sites have decided"); not with --cpu-smoke. Steps after
 --warmup are timed (median per rank, max over ranks). Compared with plain compile: each step's
 loss and the last step's gradient of every parameter (relative norm of the difference); exit
-status 1 past --tol. Results JSON and a table under --out; every graph the pass saw is listed
+status 1 past --tol. In bf16 a third run, torchtitan uncompiled (eager), is compared the same
+way: the pass may differ from plain compile by twice as much as eager does, if that is more
+than --tol (bf16 reduction order alone moves the gradients by ~1e-2 after a few steps). Results JSON and a table under --out; every graph the pass saw is listed
 (forward or backward, its collectives, the sites it made).
 
 torchtitan 0.3.0's path here imports only spmd_types and tyro (docstring_parser, typeguard).
@@ -121,14 +123,15 @@ def parallel_dims(setup: Setup, device: torch.device):
     return dims, parallelism
 
 
-def build(setup: Setup, device: torch.device, out: str):
+def build(setup: Setup, device: torch.device, out: str, compiled: bool = True):
     """(model, loss_fn) as torchtitan's trainer builds them: meta init,
-    parallelize_llama (TP, then its apply_compile, then FSDP2 at degree 1), materialized."""
+    parallelize_llama (TP, then its apply_compile unless not `compiled`, then FSDP2 at degree
+    1), materialized."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.llama3 import parallelize_llama
     dims, parallelism = parallel_dims(setup, device)
-    compile_config = CompileConfig(enable=True, enable_async_tensor_parallel=setup.async_tp)
+    compile_config = CompileConfig(enable=compiled, enable_async_tensor_parallel=setup.async_tp)
     with torch.device("meta"):
         model = llama3_config(setup).build()
     model = parallelize_llama(model, parallel_dims=dims, parallelism=parallelism,
@@ -182,7 +185,7 @@ def train(variant: str, setup: Setup, args, device, control, initial: dict | Non
     torch._dynamo.reset()
     if variant == "infini_dist":
         idc.enable()  # the user's one line, before torchtitan's compiled blocks first run
-    model, loss_fn = build(setup, device, args.out)
+    model, loss_fn = build(setup, device, args.out, compiled=variant != "eager")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in (initial or {}).items():
@@ -230,8 +233,12 @@ def compare(base: dict, ours: dict) -> dict:
             "min_grad_norm": min(float(g.norm()) for g in base["_grads"].values())}
 
 
-def run(args, device, control) -> list[dict]:
-    """Per SP setting: both variants and the comparison, with the grads kept (rank-local)."""
+def run(args, device, control, tol: float) -> list[dict]:
+    """Per SP setting: plain compile, the pass, and in bf16 torchtitan uncompiled, each compared
+    with plain compile (the grads kept rank-local). The pass's row gets the differences it is
+    allowed: `tol`, or in bf16 twice what plain compile differs from eager, whichever is larger
+    (eager vs plain is this run's bf16 reduction-order noise: a correct pass differs from plain
+    compile by about as much; a lost term differs by O(1))."""
     rows = []
     for sp in args.sp:
         setup = Setup(**{**asdict(args.setup), "sp": sp == "on"})
@@ -239,7 +246,28 @@ def run(args, device, control) -> list[dict]:
         ours = train("infini_dist", setup, args, device, control, base["_initial"])
         ours["vs_inductor"] = compare(base, ours)
         rows += [base, ours]
+        noise = None
+        if setup.dtype != "float32":
+            eager = train("eager", setup, args, device, control, base["_initial"])
+            noise = eager["vs_inductor"] = compare(base, eager)
+            rows.append(eager)
+        ours["allowed"] = allowed(tol, noise)
     return rows
+
+
+def allowed(tol: float, noise: dict | None) -> dict:
+    """The differences from plain compile a pass row may have: `tol`, or twice eager's (`noise`,
+    its comparison with plain compile) where that is larger."""
+    if noise is None:
+        return {"loss": tol, "grad": tol}
+    return {"loss": max(tol, 2 * noise["loss_rel_diff"]),
+            "grad": max(tol, 2 * noise["grad_rel_diff"])}
+
+
+def passes_check(row: dict) -> bool:
+    """A pass row's differences from plain compile within what it is allowed."""
+    v, allowed = row["vs_inductor"], row["allowed"]
+    return v["loss_rel_diff"] <= allowed["loss"] and v["grad_rel_diff"] <= allowed["grad"]
 
 
 def table(rows: list[dict]) -> str:
@@ -269,7 +297,8 @@ def add_arguments(parser):
     parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed first steps")
     parser.add_argument("--lr", type=positive_float, default=1e-4)
     parser.add_argument("--tol", type=positive_float, default=None,
-                        help="max loss and grad relative difference (default 2e-2 bf16, 1e-4 fp32)")
+                        help="max loss and grad relative difference from plain compile (default "
+                             "2e-2 bf16, 1e-4 fp32); in bf16 at least twice eager's")
     for flag in ("dim", "layers", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
         parser.add_argument(f"--{flag}", type=positive_int, default=None)
 
@@ -300,9 +329,8 @@ def main(argv=None) -> int:
     device, _, control = join_job(args)  # gloo for --cpu-smoke; the FX caches off (sites seen)
     tol = args.tol or (1e-4 if args.setup.dtype == "float32" else 2e-2)
     compat = torch_compat()  # before torchtitan's first import
-    rows = run(args, device, control)
-    verdicts = [r["vs_inductor"] for r in rows if "vs_inductor" in r]
-    ok = all(v["loss_rel_diff"] <= tol and v["grad_rel_diff"] <= tol for v in verdicts)
+    rows = run(args, device, control, tol)
+    ok = all(passes_check(r) for r in rows if r["variant"] == "infini_dist")
     if dist.get_rank() == 0:
         text = table(rows)
         print(text, flush=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from infini_dist.launch import bench_sp
+from infini_dist.launch import bench_sp, sp_report
 from multirank import run_cli
 
 
@@ -45,13 +45,13 @@ def test_compare_fails_a_wrong_output_a_loss_curve_and_an_error():
             _row("inductor", "train", 4.0, losses=[1.0, 0.5]),
             _row("infini_dist", "train", 3.0, losses=[1.0, 0.9]),
             _row("collective_free", "train", 2.0, losses=[7.0, 7.0])]
-    failures = bench_sp.compare(rows, tol=1e-2)
+    failures = sp_report.compare(rows, tol=1e-2)
     assert len(failures) == 2 and "rel L2" in failures[0] and "loss curve" in failures[1]
     assert rows[1]["over_inductor"] == 0.5 and rows[3]["over_floor"] == 1.5
     assert rows[2]["over_floor"] == 2.0  # inductor's own ratio to the floor
     broken = [_row("inductor", "forward", 2.0), {"variant": "infini_dist", "kind": "forward",
                                                   "tokens": 16, "error": "forward: rank 1: boom"}]
-    assert bench_sp.compare(broken, tol=1e-2) == ["16 forward infini_dist: forward: rank 1: boom"]
+    assert sp_report.compare(broken, tol=1e-2) == ["16 forward infini_dist: forward: rank 1: boom"]
 
 
 def test_prefer_ranks_the_forced_algorithm_deepest_first():

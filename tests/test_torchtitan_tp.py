@@ -106,3 +106,15 @@ def test_arguments():
                 ["--sp", "sideways"]):
         with pytest.raises(SystemExit):
             parse(bad)
+
+
+@pytest.mark.timeout(60)
+def test_bf16_check_allows_twice_eagers_difference_and_no_more():
+    noise = {"loss_rel_diff": 1e-5, "grad_rel_diff": 1.5e-2}
+    limits = bench_torchtitan.allowed(2e-2, noise)
+    assert limits == {"loss": 2e-2, "grad": 3e-2}
+    assert bench_torchtitan.allowed(1e-4, None) == {"loss": 1e-4, "grad": 1e-4}
+    row = {"vs_inductor": {"loss_rel_diff": 1.3e-5, "grad_rel_diff": 2.09e-2}, "allowed": limits}
+    assert bench_torchtitan.passes_check(row)  # session 12's bf16 run, SP on
+    row["vs_inductor"]["grad_rel_diff"] = 0.3  # a lost term
+    assert not bench_torchtitan.passes_check(row)
