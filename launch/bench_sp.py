@@ -35,7 +35,8 @@ round median). Host-bound steps drift within a process; timing variants in block
 the other charged that drift to whichever ran first.
 
 A forced algorithm is a process of its own (the engine keeps its decisions for the process):
-.ci/gpu_suite sp runs the three. Exit status 1 when an output or loss curve does not match.
+.ci/gpu_suite sp runs the four processes. Exit status 1 when an output or loss curve does not
+match.
 """
 
 from __future__ import annotations
