@@ -12,27 +12,27 @@ from multirank import run_cli
 
 def test_sp_bench_runs_small_on_cpu(tmp_path):
     out = tmp_path / "out"
+    # the floor's compile is bench_model's and bench_hf's too (their CPU smokes run it); here
+    # its ratios are checked through compare() below
     run = run_cli(tmp_path, "bench", "--sp", "--nproc", "2", "--cpu-smoke", "--rounds", "2",
-                  "--steps", "2", "--warmup", "1", "--iters", "2", "--profile", "--out",
-                  str(out), timeout=400)
+                  "--steps", "2", "--warmup", "1", "--iters", "2", "--profile",
+                  "--variants", "inductor,infini_dist", "--out", str(out), timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["failures"] == [] and data["meta"]["world_size"] == 2
     rows = {(r["variant"], r["kind"]): r for r in data["rows"]}
-    assert set(rows) == {(v, k) for v in bench_sp.VARIANTS for k in ("forward", "train")}
+    variants = ("inductor", "infini_dist")
+    assert set(rows) == {(v, k) for v in variants for k in ("forward", "train")}
     assert all(r["ms"] > 0 and r["spread"] >= 1.0 for r in rows.values())
-    assert all(rows[v, "forward"]["host_ms"] > 0 for v in bench_sp.VARIANTS)
+    assert all(rows[v, "forward"]["host_ms"] > 0 for v in variants)
     for kind in ("forward", "train"):
         assert rows["infini_dist", kind]["sites"] > 0
-        assert rows["infini_dist", kind]["over_floor"] > 0
+        assert rows["infini_dist", kind]["over_inductor"] > 0
     assert "-- profile 16 forward infini_dist, by host time --" in run.stdout
     assert rows["infini_dist", "forward"]["rel_l2_vs_eager"] < 1e-4
     assert rows["infini_dist", "train"]["loss_rel_diff"] < 1e-4
     # the warm-up step, one settling round and two timed rounds of 2 steps: every step's loss
     assert len(rows["infini_dist", "train"]["losses"]) == 1 + 2 + 2 * 2
-    # the floor replaced every collective it saw, forward and backward
-    assert data["meta"]["floor"]["collectives_removed"] > 0
-    assert data["meta"]["floor"]["collectives_left"] == 0
 
 
 def _row(variant, kind, ms, **more):

@@ -100,6 +100,9 @@ CASES = [("norm_gather", (6, 40), F32), ("train_gather", (4, 3, 64), F32),
          ("norm_gather", (258, 8), F32),   # more shard rows than programs
          ("norm_gather", (4, 64), BF16), ("fp8_gather", (6, 40), BF16),
          ("static_fp8_gather", (6, 40), BF16), ("side_gather", (6, 40), F32)]
+# At 3 ranks, the cases whose layout depends on the world size (shard rows, a gathered row
+# per rank, more rows than programs); dtypes and quantizers are the same code at any size.
+ODD_WORLD_CASES = [case for case in CASES if case[2] is F32 and case[0] != "side_gather"]
 # The patterns one_shot_scatter_gather runs: it gathers, and has no other rank's per-row side
 # data (a per-row quantizer's scales, a shard-shaped chain operand).
 ONE_SHOT = {"norm_gather", "train_gather", "static_fp8_gather"}
@@ -163,7 +166,8 @@ def shared_storages(world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_interpreted(monkeypatch, world):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    per_rank = run_ranks(scatter_rank, world, shared_storages(world), CASES, timeout=600,
+    per_rank = run_ranks(scatter_rank, world, shared_storages(world),
+                         CASES if world == 2 else ODD_WORLD_CASES, timeout=600,
                          env={"TRITON_INTERPRET": "1"})
     assert all(isinstance(r, tuple) for r in per_rank), repr(per_rank)[:2000]
     for pattern, names in per_rank[0][1]:
