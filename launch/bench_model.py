@@ -62,7 +62,7 @@ from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_sha
 
 WARMUP_CALLS = 3  # before timing calls that are not our own captured graph
 
-def _error_text(error: BaseException) -> str:
+def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".replace("\n", " ")[:400]
 
 
@@ -183,7 +183,7 @@ class Bench:
                 fn()
             self.sync()
         except Exception as exc:  # noqa: BLE001 - reported in the table, the run goes on
-            error = _error_text(exc)
+            error = error_text(exc)
         row["first_call_s"] = self.worst(time.perf_counter() - begin)
         error = self.agree(error)
         if error:
@@ -211,7 +211,7 @@ class Bench:
                 with torch.no_grad():
                     graph, out = self.capture(fn)
             except Exception as exc:  # noqa: BLE001
-                error, graph = _error_text(exc), None
+                error, graph = error_text(exc), None
             error = self.agree(error)
             if error:
                 row["capture_error"] = error
@@ -229,7 +229,7 @@ class Bench:
                     samples, out = self.time_eager(fn)
             median = statistics.median(samples)
         except Exception as exc:  # noqa: BLE001
-            error, median = _error_text(exc), float("nan")
+            error, median = error_text(exc), float("nan")
         error = self.agree(error)
         # "calls": fn timed as it is, whatever it runs inside (e.g. torch's own cudagraph trees)
         row["mode"] = "graph" if graph is not None else ("eager" if self.own_capture else "calls")

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from infini_dist.launch import collective_free, shutdown
 from infini_dist.launch.arguments import (names, nonempty_ints, parse,
                                           positive_float, positive_int)
-from infini_dist.launch.bench_model import setup
+from infini_dist.launch.bench_model import Bench, error_text, setup
 from infini_dist.launch.model_report import FLOOR
 from infini_dist.launch.sp_report import compare, table
 from infini_dist.scheduler.benchmark import time_reps
@@ -79,38 +79,16 @@ def prefer(algorithm: str):
     return hook
 
 
-def worst(value: float, control) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
-    return float(t.item())
-
-
-def _error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".replace("\n", " ")[:400]
-
-
-def rel_l2(out, ref) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 class Run:
     """One process's variants at each --tokens: the same full weights, sharded afresh each time."""
 
     def __init__(self, args, device, dtype, control):
         from torch.distributed.device_mesh import init_device_mesh
-        self.args, self.device, self.dtype, self.control = args, device, dtype, control
+        self.args, self.device, self.dtype = args, device, dtype
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        self.floor = collective_free.CollectiveFree()
+        # bench --model's: sync, the max over ranks, agreed errors, the floor's pass, rel L2
+        self.bench = Bench(args, device, control, capture=False)
         self.full = self._full_model()
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
 
     def _full_model(self):
         from infini_dist.launch import sp_model
@@ -140,7 +118,7 @@ class Run:
         if variant == "inductor":
             return torch.compile(model)
         if variant == FLOOR:
-            return collective_free.compile_model(model, self.floor)
+            return collective_free.compile_model(model, self.bench.floor)
         return idc.compile_model(model)
 
     @contextlib.contextmanager
@@ -158,11 +136,9 @@ class Run:
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - a table entry, the run goes on
-            error = _error_text(exc)
-        errors = [None] * dist.get_world_size(self.control)
-        dist.all_gather_object(errors, error, group=self.control)
-        first = next((f"{what}: rank {r}: {e}" for r, e in enumerate(errors) if e), None)
-        return (None, first) if first else (result, None)
+            error = error_text(exc)
+        first = self.bench.agree(error)
+        return (None, f"{what}: {first}") if first else (result, None)
 
     def prepare(self, variant: str, kind: str, tokens: int, reference):
         """(row, call): the variant compiled, its first call (compile, tuning) and warm-up done;
@@ -192,7 +168,7 @@ class Run:
             with self.settings(variant):
                 begin = time.perf_counter()
                 out = call()
-                self.sync()
+                self.bench.sync()
                 row["first_call_s"] = time.perf_counter() - begin
                 for _ in range(warmup):
                     call()
@@ -202,23 +178,23 @@ class Run:
             row["error"] = error
             return row, None
         if kind == "forward" and variant != FLOOR:
-            row["rel_l2_vs_eager"] = worst(rel_l2(out, reference), self.control)
+            row["rel_l2_vs_eager"] = self.bench.rel_l2(out, reference)
         return row, call
 
     def profile(self, row: dict, call) -> None:
         """The top ops of one call, by host and by device time, printed on rank 0."""
         from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.bench.cuda else [])
+        self.bench.sync()
         with self.settings(row["variant"]), profile(activities=activities) as prof:
             call()
-            self.sync()
+            self.bench.sync()
         if dist.get_rank() == 0:
             what = f"{row['tokens']} {row['kind']} {row['variant']}"
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
                                               max_name_column_width=60)
             print(f"-- profile {what}, by host time --\n{table}", flush=True)
-            if self.cuda:
+            if self.bench.cuda:
                 table = prof.key_averages().table(sort_by="self_device_time_total",
                                                   row_limit=10, max_name_column_width=60)
                 print(f"-- by device time --\n{table}", flush=True)
@@ -230,7 +206,7 @@ class Run:
             step = statistics.median(time_reps(call, self.device, 0, count))
             if row["kind"] != "forward":
                 return step, None
-            self.sync()
+            self.bench.sync()
             host = []
             for _ in range(count):  # no sync: where the host is the bound, these meet the step
                 begin = time.perf_counter()
@@ -245,9 +221,12 @@ class Run:
         (compile workers winding down, clocks); sequential blocks would charge it to one
         variant."""
         entries = [(row, call) for row, call in entries if call is not None]
-        for row, call in entries:  # a call after every compile: a recompile of one variant
-            _, error = self.guarded("settle", lambda: self.one_round(row, call))  # drops a
-            if error:  # class's shared code (compile/recompile.py): not inside a timed round
+        # One untimed round first: a variant's recompile once its sites decide drops the code
+        # its class shares with the others (compile/recompile.py), and they compile again here,
+        # not inside a timed round.
+        for row, call in entries:
+            _, error = self.guarded("settle", lambda: self.one_round(row, call))
+            if error:
                 row["error"] = error
         entries = [(row, call) for row, call in entries if "error" not in row]
         medians = {id(row): ([], []) for row, _ in entries}
@@ -267,14 +246,15 @@ class Run:
             steps, hosts = medians[id(row)]
             if "error" in row:
                 continue
-            row["ms"] = worst(statistics.median(steps), self.control) * 1e3
-            row["spread"] = worst(max(steps) / min(steps), self.control)
+            row["ms"] = self.bench.worst(statistics.median(steps)) * 1e3
+            row["spread"] = self.bench.worst(max(steps) / min(steps))
             if hosts:
-                row["host_ms"] = worst(statistics.median(hosts), self.control) * 1e3
+                row["host_ms"] = self.bench.worst(statistics.median(hosts)) * 1e3
             if self.args.profile and row["kind"] == "forward":
                 self.profile(row, call)
 
     def tokens(self, tokens: int) -> list[dict]:
+        import infini_dist
         import infini_dist.compile as idc
         x, _ = self.data(tokens)
         with torch.no_grad():
@@ -294,7 +274,6 @@ class Run:
                 row["losses"] = [float(v) for v in row["losses"]]
             if row["variant"] == "infini_dist":
                 with self.settings(row["variant"]):  # the decisions under its settings
-                    import infini_dist
                     chosen = sorted({d["choice"] for d in
                                      idc.decisions(infini_dist.config.snapshot())})
                 row["chosen"] = chosen
@@ -374,10 +353,11 @@ def main(argv=None) -> int:
         text = table(rows, args.force, args.eager_timing)
         os.makedirs(args.out, exist_ok=True)
         meta = {"world_size": dist.get_world_size(), "dtype": str(dtype).replace("torch.", ""),
-                "force": args.force, "eager_timing": args.eager_timing, "layers": args.layers, "hidden": args.hidden,
+                "force": args.force, "eager_timing": args.eager_timing, "layers": args.layers,
+                "hidden": args.hidden,
                 "mlp": args.mlp, "head_dim": args.head_dim, "rounds": args.rounds,
                 "iters": args.iters, "steps": args.steps, "warmup": args.warmup, "tol": args.tol,
-                "torch": torch.__version__, "floor": run.floor.counts(),
+                "torch": torch.__version__, "floor": run.bench.floor.counts(),
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "wall_s": time.perf_counter() - started}
         with open(os.path.join(args.out, "results.json"), "w") as f:

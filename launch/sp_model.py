@@ -1,6 +1,7 @@
 """A Llama-style model (tiny by default: tests; launch/bench_sp.py times it at Llama sizes),
-sharded the way torch's TP tutorial shards Llama 2, with sequence parallelism: norms run on sequence shards (SequenceParallel), attention and MLP inputs are
-all-gathered (PrepareModuleInput Shard(1) -> Replicate), and the row-parallel linears
+sharded the way torch's TP tutorial shards Llama 2, with sequence parallelism: norms run on
+sequence shards (SequenceParallel), attention and MLP inputs are all-gathered
+(PrepareModuleInput Shard(1) -> Replicate), and the row-parallel linears
 reduce-scatter back to sequence shards (RowwiseParallel(output_layouts=Shard(1))).
 
 So each layer's forward holds all_gather(norm(x)) and reduce_scatter -> add + RMSNorm ->
