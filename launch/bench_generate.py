@@ -119,10 +119,18 @@ def run_variant(args) -> int:
     from torch._dynamo.utils import counters
 
     import infini_dist.compile as idc
+    started = time.perf_counter()
+
+    def phase(name: str) -> None:  # where a job's time goes (a cut-off run shows how far it got)
+        if dist.get_rank() == 0:
+            print(f"[{args.variant}] {name} done at {time.perf_counter() - started:.1f} s",
+                  flush=True)
+
     device, dtype, control = setup(args)  # also: no FX graph cache, so site counts are real
     bench = Bench(args, device, control, capture=False)
     sizes = argparse.Namespace(**vars(args), context=args.prompt + args.new_tokens, prefill=[])
     model = load_tp_model(make_config(args.family, sizes), args.out, device, dtype, control)
+    phase("load (checkpoint written, loaded under TP)")
     if args.variant == "enable":
         idc.enable()  # before generate: HF's own torch.compile then runs the pass
     config = generation_config(model, args.variant, device.type == "cpu", args.new_tokens)
@@ -131,13 +139,15 @@ def run_variant(args) -> int:
                            generator=gen).to(device)
     watch, walls, steps = CudagraphWatch(), [], []
     with watch, torch.no_grad():
-        for _ in range(args.warmup):
+        for index in range(args.warmup):
             tokens, _, _ = timed_generate(model, bench, prompt, config, watch)
+            phase(f"warm-up call {index + 1} (compile, tuning, graph recording)")
         graphs_before = counters["stats"]["unique_graphs"]
         for _ in range(args.reps):
             tokens, wall_ms, step_ms = timed_generate(model, bench, prompt, config, watch)
             walls.append(wall_ms)
             steps += step_ms
+        phase(f"{args.reps} timed calls")
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, tokens, group=control)
     step = bench.worst(statistics.median(steps)) if steps else float("nan")
@@ -194,7 +204,10 @@ def alternate(args) -> int:
         for variant in args.variants:  # plain, enable, compile_config, plain, ...
             path = os.path.join(args.out, f"round{round_}_{variant}.json")
             print(f"\n== round {round_ + 1}/{args.alternate}: {variant} ==", flush=True)
+            began = time.perf_counter()
             status = torchrun(MODULE, nproc, child_argv(args, variant, path))
+            print(f"== {variant}: job exited with status {status} after "
+                  f"{time.perf_counter() - began:.1f} s", flush=True)
             try:
                 with open(path) as f:
                     runs[variant].append(json.load(f))
