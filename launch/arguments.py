@@ -74,6 +74,14 @@ def add_model_sizes(parser, layers: int, **more: int) -> None:
         parser.add_argument(f"--{flag}", type=positive_int, default=default)
 
 
+def add_matmul_prologue(parser) -> None:
+    """--matmul-prologue: the model benchmarks' switch for config.matmul_prologue."""
+    parser.add_argument("--matmul-prologue", action="store_true",
+                        help="the pass also takes each row-parallel matmul into its site "
+                             "(config.matmul_prologue, off by default; also "
+                             "INFINI_DIST_MATMUL_PROLOGUE=1): GEMM + all_reduce overlap")
+
+
 def add_decode_shapes(parser, batches: str) -> None:
     """The decode steps a model benchmark times: one per batch size, over --context positions."""
     parser.add_argument("--context", type=positive_int, default=1024,

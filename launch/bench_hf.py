@@ -63,8 +63,9 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.launch import collective_free, shutdown
-from infini_dist.launch.arguments import (add_decode_shapes, add_model_sizes, names, parse,
-                                          positive_float, positive_int, positive_ints)
+from infini_dist.launch.arguments import (add_decode_shapes, add_matmul_prologue, add_model_sizes,
+                                          names, parse, positive_float, positive_int,
+                                          positive_ints)
 from infini_dist.launch.bench_model import Bench, run_meta, run_shape, setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.model_report import (FLOOR, VARIANTS, Target, add_floor_ratios, plot,
@@ -300,9 +301,7 @@ def add_arguments(parser):
     parser.add_argument("--tol", type=positive_float, default=None,
                         help="max relative L2 error of the logits vs eager (default 5e-2 bf16, "
                              "1e-4 fp32)")
-    parser.add_argument("--matmul-prologue", action="store_true",
-                        help="the pass also takes each row-parallel matmul into its site "
-                             "(config.matmul_prologue): GEMM + all_reduce overlap")
+    add_matmul_prologue(parser)
     parser.add_argument("--out", default="bench_hf_out")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="gloo CPU ranks, float32, no CUDA graphs: checks the script itself")

@@ -50,9 +50,9 @@ import torch.distributed as dist
 
 from infini_dist.launch import shutdown
 from infini_dist.launch import collective_free
-from infini_dist.launch.arguments import (add_decode_shapes, add_model_sizes, names,
-                                          nonnegative_int, parse, positive_float, positive_int,
-                                          usage_error)
+from infini_dist.launch.arguments import (add_decode_shapes, add_matmul_prologue, add_model_sizes,
+                                          names, nonnegative_int, parse, positive_float,
+                                          positive_int, usage_error)
 from infini_dist.launch.model_report import (FLOOR, PREFILL_TARGET, VARIANTS, add_floor_ratios,
                                              plot, print_details, summarize, summary)
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_shapes, make_inputs
@@ -295,10 +295,7 @@ def add_arguments(parser):
     # a lost residual, weight or rank's share shows as 0.3 and more.
     parser.add_argument("--tol", type=positive_float, default=None,
                         help="max relative L2 error vs eager (default 5e-2 bf16, 1e-4 fp32)")
-    parser.add_argument("--matmul-prologue", action="store_true",
-                        help="the pass also takes each row-parallel matmul into its site "
-                             "(config.matmul_prologue, off by default; also "
-                             "INFINI_DIST_MATMUL_PROLOGUE=1): GEMM + all_reduce overlap")
+    add_matmul_prologue(parser)
     parser.add_argument("--out", default="bench_model_out")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="gloo CPU ranks, float32, eager timing: checks the script itself")

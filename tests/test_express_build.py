@@ -91,3 +91,35 @@ def test_a_lock_held_too_long_means_the_python_path_with_one_warning(tmp_path, m
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_build_starts_when_the_eager_ops_are_imported_on_a_cuda_machine(monkeypatch):
+    """A fresh machine's build (~11 s) starts at `import infini_dist.ops` where it will serve, so
+    a job's setup hides it; never on a machine without CUDA or with the flag off."""
+    import torch
+
+    import infini_dist
+    from infini_dist.scheduler import cpp_launch
+    started = []
+    monkeypatch.setattr(express, "start", lambda *args, **kwargs: started.append(args))
+    settings = infini_dist.config.snapshot()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpp_launch.start_early(settings)
+    assert started == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    cpp_launch.start_early(settings)
+    assert started == [()]
+    monkeypatch.setattr(infini_dist.config, "express_ops", False)
+    cpp_launch.start_early(infini_dist.config.snapshot())
+    assert started == [()]
+    # the import calls it: a fresh interpreter that sees CUDA starts the build at the import
+    probe = ("import torch\n"
+             "torch.cuda.is_available = lambda: True\n"
+             "torch.version.cuda = '13.0'\n"
+             "from infini_dist.kernels import express\n"
+             "express.start = lambda *a, **k: print('build started')\n"
+             "import infini_dist.ops\n")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "build started", run.stderr[-2000:]
