@@ -12,12 +12,16 @@ in forward). So the forward graph has all_reduce -> add -> RMSNorm sites (the no
 for backward) and the backward graph the input-gradient all_reduces with their epilogues.
 
 One step: forward over `tokens` tokens (batch 1), MSE against a fixed replicated target,
-backward, AdamW. Per tokens-per-step and variant (inductor: torch.compile(model); infini_dist:
-compile_model(model), after rounds of one forward and backward that decide every site, so that
-sites decided native stay Inductor's code), a fresh model with the same weights trains --steps
-steps; after --warmup steps (compile and tuning) each step is timed, median per rank, max over
-ranks. The two loss curves must agree within --tol (bf16 noise on GPU); exit status 1 if they
-do not. Writes the table on stdout and results.json + table.md under --out.
+backward, AdamW (`--optimizers`: torch's foreach implementation, its fused one, or both, each a
+row of its own). Per tokens-per-step, optimizer and variant (inductor: torch.compile(model);
+infini_dist: compile_model(model), after rounds of one forward and backward that decide every
+site, so that sites decided native stay Inductor's code; collective_free: torch.compile(model)
+with every collective of its forward and backward graphs a local no-op, the floor of issue #27's
+target, launch/collective_free.py), a fresh model with the same weights trains --steps steps;
+after --warmup steps (compile and tuning) each step is timed, median per rank, max over ranks.
+The pass's loss curves must agree with inductor's within --tol (bf16 noise on GPU); exit status
+1 if they do not. The floor's curve is not checked (its sums are partial) and must leave no
+collective. Writes the table on stdout and results.json + table.md under --out.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from infini_dist.launch import shutdown
+from infini_dist.launch import collective_free, shutdown
 from infini_dist.launch.arguments import (add_model_sizes, names, nonempty_ints, nonnegative_int,
                                           parse, positive_float, positive_int, usage_error)
 from infini_dist.launch.bench_model import setup
@@ -41,7 +45,10 @@ from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 
 # infini_dist_eager_timing: the pass with its sites timed eagerly (benchmark_cuda_graphs off),
 # host cost included, as this graph runs them (no CUDA graphs), instead of under graph replay
-VARIANTS = ("inductor", "infini_dist", "infini_dist_eager_timing")
+FLOOR = "collective_free"
+VARIANTS = ("inductor", "infini_dist", "infini_dist_eager_timing", FLOOR)
+OPTIMIZERS = ("foreach", "fused")
+TARGET = 1.02  # issue #27: the pass's step over the collective-free step, at 2048 tokens
 
 
 class _ReduceFromRanks(torch.autograd.Function):
@@ -105,10 +112,12 @@ def decide_then_recompile(model, tokens: int, args, device, dtype, rounds: int =
     return idc.compile_model(model)
 
 
-def train_curve(model, forward, tokens: int, args, device, dtype, control) -> dict:
+def train_curve(model, forward, tokens: int, optimizer_kind: str, args, device, dtype,
+                control) -> dict:
     """Loss per step and the median timed step (max over ranks)."""
     x, target = step_data(tokens, args, device, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
+                                  **{optimizer_kind: True})  # foreach=True or fused=True
     losses, times = [], []
     for step in range(args.steps):
         if device.type == "cuda":
@@ -127,55 +136,77 @@ def train_curve(model, forward, tokens: int, args, device, dtype, control) -> di
     return {"losses": losses, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s}
 
 
-def run_variant(variant: str, tokens: int, args, device, dtype, control) -> dict:
+def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
+                control) -> dict:
     import infini_dist
     import infini_dist.compile as idc
     torch._dynamo.reset()
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)  # seeded: same weights
+    floor = collective_free.CollectiveFree()
     # the whole variant under its settings: the sites look their executors up by them
     with infini_dist.config.patch(benchmark_cuda_graphs=variant != "infini_dist_eager_timing"):
         if variant == "inductor":
             forward = torch.compile(model)
+        elif variant == FLOOR:
+            forward = collective_free.compile_model(model, floor)
         else:
             forward = decide_then_recompile(model, tokens, args, device, dtype)
         sites_before, native_before = idc.stats["sites"], idc.stats["native_sites"]
-        row = train_curve(model, forward, tokens, args, device, dtype, control)
+        row = train_curve(model, forward, tokens, optimizer, args, device, dtype, control)
         # the IR ops of each kind of site that ran under this variant, forward and backward
-        ran = idc.decisions(infini_dist.config.snapshot()) if variant != "inductor" else []
-    row.update(variant=variant, tokens=tokens, sites=idc.stats["sites"] - sites_before,
+        ran = idc.decisions(infini_dist.config.snapshot()) \
+            if variant not in ("inductor", FLOOR) else []
+    row.update(variant=variant, tokens=tokens, optimizer=optimizer,
+               sites=idc.stats["sites"] - sites_before,
                native_sites=idc.stats["native_sites"] - native_before,
                site_ops=sorted({d["op"] for d in ran}))
+    if variant == FLOOR:
+        row.update(floor.counts())
     return row
 
 
 def compare(rows: list, tol: float) -> list:
-    """Per tokens-per-step and variant with the pass: its speedup over inductor and the loss
-    curves' distance."""
+    """Per tokens-per-step, optimizer and variant with the pass: its speedup over inductor, its
+    step over the collective-free step (when that ran) and the loss curves' distance. The
+    floor's own verdict: no collective left in its graphs."""
     verdicts = []
     for ours in rows:
         if ours["variant"] == "inductor":
             continue
-        base = next(r for r in rows if r["tokens"] == ours["tokens"] and r["variant"] == "inductor")
-        diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], base["losses"]))
-        verdicts.append({"tokens": ours["tokens"], "variant": ours["variant"],
-                         "speedup": base["step_ms"] / ours["step_ms"],
-                         "loss_rel_diff": diff, "loss_ok": diff <= tol})
+        same = [r for r in rows if (r["tokens"], r["optimizer"]) == (ours["tokens"],
+                                                                     ours["optimizer"])]
+        base = next(r for r in same if r["variant"] == "inductor")
+        floor = next((r for r in same if r["variant"] == FLOOR), None)
+        verdict = {"tokens": ours["tokens"], "optimizer": ours["optimizer"],
+                   "variant": ours["variant"], "speedup": base["step_ms"] / ours["step_ms"],
+                   "over_floor": ours["step_ms"] / floor["step_ms"] if floor else None,
+                   "inductor_over_floor": base["step_ms"] / floor["step_ms"] if floor else None}
+        if ours["variant"] == FLOOR:  # partial sums: a curve of its own, nothing to compare
+            verdict.update(loss_rel_diff=None, loss_ok=ours["collectives_left"] == 0)
+        else:
+            diff = max(abs(a - b) / max(abs(b), 1e-12)
+                       for a, b in zip(ours["losses"], base["losses"]))
+            verdict.update(loss_rel_diff=diff, loss_ok=diff <= tol)
+        verdicts.append(verdict)
     return verdicts
 
 
 def table(rows: list, verdicts: list) -> str:
-    lines = ["| tokens/step | variant | step ms | tokens/s | sites | left native | final loss |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| tokens/step | AdamW | variant | step ms | tokens/s | sites | left native | "
+             "final loss |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['tokens']} | {r['variant']} | {r['step_ms']:.2f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['sites']} | {r['native_sites']} | "
-                     f"{r['losses'][-1]:.5f} |")
-    lines += ["",
-              "| tokens/step | variant | speedup over inductor | loss curve max rel diff | ok |",
-              "|---|---|---|---|---|"]
+        lines.append(f"| {r['tokens']} | {r['optimizer']} | {r['variant']} | "
+                     f"{r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['sites']} | "
+                     f"{r['native_sites']} | {r['losses'][-1]:.5f} |")
+    lines += ["", f"| tokens/step | AdamW | variant | speedup over inductor | step / "
+                  f"collective-free (target <= {TARGET} at 2048; inductor's) | loss curve max "
+                  f"rel diff | ok |", "|---|---|---|---|---|---|---|"]
     for v in verdicts:
-        lines.append(f"| {v['tokens']} | {v['variant']} | {v['speedup']:.3f}x | "
-                     f"{v['loss_rel_diff']:.2e} | "
+        floor = "" if v["over_floor"] is None else \
+            f"{v['over_floor']:.3f} ({v['inductor_over_floor']:.3f})"
+        diff = "not compared" if v["loss_rel_diff"] is None else f"{v['loss_rel_diff']:.2e}"
+        lines.append(f"| {v['tokens']} | {v['optimizer']} | {v['variant']} | "
+                     f"{v['speedup']:.3f}x | {floor} | {diff} | "
                      f"{'yes' if v['loss_ok'] else 'NO'} |")
     return "\n".join(lines)
 
@@ -185,8 +216,12 @@ def add_arguments(parser):
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tokens", type=nonempty_ints, default="2048,8192",
                         help="tokens per step, comma-separated")
-    parser.add_argument("--variants", type=names(VARIANTS), default="inductor,infini_dist",
+    parser.add_argument("--variants", type=names(VARIANTS),
+                        default=f"inductor,infini_dist,{FLOOR}",
                         help=f"comma-separated, among {','.join(VARIANTS)} (inductor always runs)")
+    parser.add_argument("--optimizers", type=names(OPTIMIZERS), default="foreach",
+                        help="AdamW implementations, each timed with every variant: foreach, "
+                             "fused")
     parser.add_argument("--steps", type=positive_int, default=50)
     parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed first steps")
     parser.add_argument("--lr", type=positive_float, default=1e-4)
@@ -221,8 +256,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device, dtype, control = setup(args)
     tol = args.tol if args.tol is not None else (2e-2 if dtype == torch.bfloat16 else 1e-4)
-    rows = [run_variant(v, tokens, args, device, dtype, control)
-            for tokens in args.tokens for v in args.variants]
+    rows = [run_variant(v, tokens, optimizer, args, device, dtype, control)
+            for tokens in args.tokens for optimizer in args.optimizers for v in args.variants]
     verdicts = compare(rows, tol)
     if dist.get_rank() == 0:
         text = table(rows, verdicts)

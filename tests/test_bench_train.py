@@ -17,8 +17,10 @@ TINY = ["--device", "cpu", "--tokens", "16", "--steps", "3", "--warmup", "1", "-
 
 def test_train_bench_runs_small_on_cpu(tmp_path):
     out = tmp_path / "out"
+    # fused AdamW (the foreach default is the same code with the other flag)
     run = run_cli(tmp_path, "bench", "--train", "--nproc", "2", *TINY, "--out", str(out),
-                  "--variants", ",".join(bench_train.VARIANTS), timeout=400)
+                  "--variants", ",".join(bench_train.VARIANTS), "--optimizers", "fused",
+                  timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["world_size"] == 2 and data["meta"]["dtype"] == "float32"
@@ -26,7 +28,13 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
     assert set(rows) == set(bench_train.VARIANTS)
     for row in rows.values():
         assert len(row["losses"]) == 3 and row["step_ms"] > 0 and row["tokens_per_s"] > 0
+        assert row["optimizer"] == "fused"
     assert rows["inductor"]["sites"] == 0
+    # The floor: every collective of its forward and backward graphs gone (2 + 2 a layer), and
+    # its sums partial, so its curve is its own (the pass's equals inductor's, below).
+    floor = rows[bench_train.FLOOR]
+    assert floor["collectives_removed"] == 4 and floor["collectives_left"] == 0, floor
+    assert floor["sites"] == 0 and floor["losses"] != rows["inductor"]["losses"]
     # Forward: the site after attention and after the MLP; backward: the two input gradients.
     # Compiled after they decided: each replaced, or left to Inductor where decided native.
     assert rows["infini_dist"]["sites"] + rows["infini_dist"]["native_sites"] == 4
@@ -36,20 +44,28 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
         assert "all_reduce+add_rms_norm+rms_rstd" in ops
         assert any(o.startswith("all_reduce+") and "rms" not in o for o in ops)  # backward's
     verdicts = {v["variant"]: v for v in data["verdicts"]}
-    assert set(verdicts) == {"infini_dist", "infini_dist_eager_timing"}
-    for verdict in verdicts.values():
+    assert set(verdicts) == {"infini_dist", "infini_dist_eager_timing", bench_train.FLOOR}
+    for variant in ("infini_dist", "infini_dist_eager_timing"):
+        verdict = verdicts[variant]
         assert verdict["tokens"] == 16 and verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4
+        assert verdict["over_floor"] == pytest.approx(
+            rows[variant]["step_ms"] / floor["step_ms"])
+    assert verdicts[bench_train.FLOOR]["loss_ok"] and verdicts[bench_train.FLOOR][
+        "loss_rel_diff"] is None
     assert (out / "table.md").read_text().startswith("| tokens/step |")
 
 
 def test_train_bench_arguments():
     args = bench_train.parse_args(["--tokens", "64,128", "--steps", "4", "--warmup", "2"])
     assert args.tokens == [64, 128] and args.model.context == 128 and not args.cpu_smoke
-    assert args.variants == ["inductor", "infini_dist"]
+    assert args.variants == ["inductor", "infini_dist", "collective_free"]
+    assert args.optimizers == ["foreach"]
+    assert bench_train.parse_args(["--optimizers", "fused,foreach"]).optimizers == [
+        "fused", "foreach"]
     assert bench_train.parse_args(["--variants", "infini_dist_eager_timing"]).variants == [
         "inductor", "infini_dist_eager_timing"]
     for bad in (["--tokens", "a"], ["--tokens", "0"], ["--steps", "2", "--warmup", "2"],
-                ["--variants", "infini_dist,fast"]):
+                ["--variants", "infini_dist,fast"], ["--optimizers", "sgd"]):
         with pytest.raises(SystemExit):
             bench_train.parse_args(bad)
 
