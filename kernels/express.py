@@ -106,22 +106,23 @@ def start(cuda: bool | None = None, wait: bool = False):
     """Build (or load the cached build of) the C++ module in a background thread, once;
     `wait`: block until it is done. Returns the module, or None while it is not ready or
     where it cannot be built (then one warning says why, and the Python path serves)."""
+    state = _state  # the build reports to the state it was started for, and only to it
     with _lock:
-        if _state["thread"] is None:
+        if state["thread"] is None:
             def run():
                 try:
-                    _state["module"] = build(cuda)
+                    state["module"] = build(cuda)
                 except Exception as error:  # no compiler, no headers, a lock held too long
-                    _state["error"] = error
+                    state["error"] = error
                     log.warning("infini_dist: the eager ops take the Python path: their C++ "
                                 "module could not be built (%s: %s)", type(error).__name__,
                                 str(error).strip().splitlines()[-1][:300] if str(error) else "")
-            _state["thread"] = threading.Thread(target=run, name="infini_dist-express",
-                                                daemon=True)
-            _state["thread"].start()
+            state["thread"] = threading.Thread(target=run, name="infini_dist-express",
+                                               daemon=True)
+            state["thread"].start()
     if wait:
-        _state["thread"].join()
-    return _state["module"]
+        state["thread"].join()
+    return state["module"]
 
 
 def module():
