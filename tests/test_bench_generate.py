@@ -155,10 +155,12 @@ def test_routes_replay_cuda_graphs_with_the_pass_on_gpus(tmp_path):
     # Three fresh jobs, each compiling from nothing (the first pass route also every kernel its
     # tuning tries): on 2xH200 the 280 s this had before passed inside the second job. Inductor
     # compiles in parallel here, as it does for users (launch_env's one thread is for CPU CI).
+    # A cross-rank exchange that waits 150 s fails with its error (the default, 300 s, would
+    # outlast the test), so a stuck job shows where it stuck.
     run, results, _ = drive(tmp_path, "--alternate", "1", "--nproc", "2", "--layers", "2",
                             "--hidden", "1024", "--mlp", "2048", "--heads", "8", "--kv-heads", "4",
                             "--vocab", "4096", "--prompt", "16", "--new-tokens", "16",
-                            timeout=500,
+                            timeout=500, INFINI_DIST_TUNING_TIMEOUT_S="150",
                             TORCHINDUCTOR_COMPILE_THREADS=str(min(16, os.cpu_count() or 1)))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert sorted(results) == ["compile_config", "enable", "plain"]
