@@ -351,6 +351,25 @@ def test_chained_pass_runs_both_in_order(user_pass):
     assert idc._Chain(user_pass, lambda g: None).uuid() is None  # a bare callable: not cacheable
 
 
+def test_subprocess_compile_mode_is_named_as_the_reason_nothing_fuses(monkeypatch, caplog):
+    # Under TORCHINDUCTOR_FX_COMPILE_MODE=subprocess Inductor's child gets its config without the
+    # custom post-grad passes (checked on torch 2.13: the pass never ran), so the pass says so
+    # once, at enable() or inductor_options(); in the normal mode it says nothing.
+    from torch._inductor import compile_fx
+    idc._check_compile_mode.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="infini_dist"):
+        idc.inductor_options()
+    assert "FX_COMPILE_MODE" not in caplog.text
+    idc._check_compile_mode.cache_clear()
+    monkeypatch.setattr(compile_fx, "fx_compile_mode", compile_fx.FxCompileMode.SUBPROCESS)
+    with caplog.at_level(logging.WARNING, logger="infini_dist"):
+        idc.inductor_options()
+        idc.enable()
+        idc.disable()
+    assert caplog.text.count("TORCHINDUCTOR_FX_COMPILE_MODE") == 1
+    idc._check_compile_mode.cache_clear()
+
+
 def test_compile_model_rejects_unknown_backends():
     with pytest.raises(ValueError, match="backend"):
         idc.compile_model(torch.nn.Linear(2, 2), backend="eager")

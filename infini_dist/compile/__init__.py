@@ -22,6 +22,9 @@ does not know them, so call torch._dynamo.reset() after changing them in a runni
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -102,10 +105,26 @@ def _with_ours(existing):
     return _Chain(existing, FUSION_PASS)
 
 
+@functools.cache  # once a process: the mode is read from the environment at Inductor's import
+def _check_compile_mode() -> None:
+    """Inductor's subprocess compile mode (TORCHINDUCTOR_FX_COMPILE_MODE=subprocess, with or
+    without async+/progressive+) hands the compile to a child with its config minus the custom
+    post-grad passes (torch drops them as unpicklable), so the pass would silently never run
+    there: say so. The serialize mode compiles in this process and keeps them."""
+    from torch._inductor import compile_fx
+    mode = getattr(compile_fx, "fx_compile_mode", None)
+    if mode is not None and mode.name == "SUBPROCESS":
+        logging.getLogger("infini_dist").warning(
+            "infini_dist: TORCHINDUCTOR_FX_COMPILE_MODE makes Inductor compile in a subprocess, "
+            "which does not receive custom post-grad passes: the infini_dist pass will not run "
+            "and every collective stays native. Unset it (or use 'serialize') to fuse them.")
+
+
 def inductor_options(options: dict | None = None) -> dict:
     """`options` (default: none) plus our pass chained after the post-grad pass already set
     there or in Inductor's config. Pass the result to torch.compile(options=...)."""
     from torch._inductor import config as inductor_config
+    _check_compile_mode()
     options = dict(options or {})
     existing = options.get(_OPTION, getattr(inductor_config, _OPTION))
     options[_OPTION] = _with_ours(existing)
@@ -115,6 +134,7 @@ def inductor_options(options: dict | None = None) -> dict:
 def enable() -> None:
     """Install the pass in Inductor's config for every later torch.compile (idempotent)."""
     from torch._inductor import config as inductor_config
+    _check_compile_mode()
     current = getattr(inductor_config, _OPTION)
     if _contains_ours(current):
         return
