@@ -117,7 +117,8 @@ class Link:
         self.pulled.fill_(0.0)
 
     def received(self, pulled: bool) -> bool:
-        """Whether every peer's data arrived intact (pushed into my slots, or pulled)."""
+        """Whether every peer's data arrived intact on every rank (pushed into its slots, or
+        pulled)."""
         torch.cuda.synchronize(self.device)
         dist.barrier()
         ok = True
@@ -125,7 +126,9 @@ class Link:
             got = (self.pulled[peer * self.numel:(peer + 1) * self.numel] if pulled
                    else self.symm[peer * self.numel:(peer + 1) * self.numel])
             ok = ok and torch.equal(got, source(peer, self.numel, self.device))
-        return ok
+        everywhere = torch.tensor([int(ok)], device=self.device)
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+        return bool(everywhere.item())
 
 
 def nccl_sendrecv(link: Link, group):
