@@ -87,13 +87,18 @@ def _build_lock(directory: str, timeout_s: float):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def cuda_here() -> bool:
+    """Whether this machine builds (and serves) the CUDA variant of the module."""
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
 def build(cuda: bool | None = None, timeout_s: float | None = None):
     """Build (or load the cached build of) the C++ module in this thread and return it.
     Raises where it cannot be built here (no compiler, no headers, another builder holding
     the lock past `timeout_s`)."""
     from torch.utils import cpp_extension
     if cuda is None:
-        cuda = torch.version.cuda is not None and torch.cuda.is_available()
+        cuda = cuda_here()
     directory = build_directory(cuda)
     with _build_lock(directory, BUILD_TIMEOUT_S if timeout_s is None else timeout_s):
         return cpp_extension.load(

@@ -18,8 +18,9 @@ The default mode forces each choice through the engine's timing hook, after the 
 build. `--first-minute S` is what a fresh machine's first S seconds look like: the engine's own
 choice, the C++ path building in the background as it does for a user (from the import of the
 ops at the script's start, before the process group and with no model to load: the shortest
-head start a job gives it), the three numbers taken every few seconds from the first call on (run it with fresh INFINI_DIST_EXPRESS_DIR,
-INFINI_DIST_CACHE_DIR and TRITON_CACHE_DIR for a fresh machine's state). `--layers` adds the
+head start a job gives it), the three numbers taken every few seconds from the first call on
+(run it with fresh INFINI_DIST_EXPRESS_DIR, INFINI_DIST_CACHE_DIR and TRITON_CACHE_DIR for a
+fresh machine's state). `--layers` adds the
 host time of each layer below our call, timed alone.
 
 `--one-rank-symm` runs the symmetric-memory kernels on a single rank (the engine offers them
@@ -228,10 +229,10 @@ def main(argv=None) -> None:
     began = time.monotonic()
     args = parse(argv, add_arguments, finish, prog="infini-dist bench --eager",
                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    if not args.first_minute:  # decisions of its own; the first-minute mode takes the env's
-        os.environ.setdefault("INFINI_DIST_CACHE_DIR", "/tmp/infini_dist_eager")
     if args.first_minute:  # where a user's script imports the ops: at its start, which starts
         importlib.import_module("infini_dist.ops")  # the C++ build on a CUDA machine
+    else:  # decisions of its own; the first-minute mode takes the env's
+        os.environ.setdefault("INFINI_DIST_CACHE_DIR", "/tmp/infini_dist_eager")
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT="29561", LOCAL_RANK="0")

@@ -14,7 +14,8 @@ link delivers in practice decides how far any all-reduce can go, so every rank s
                        (<programs>x<warps>)
   nccl_sendrecv        NCCL send + recv of the same bytes with every peer (--sendrecv)
   nccl_ar, symm_two_shot_ar   the all-reduces alone, S bytes
-  ours                 one_shot_lamport_streamed: all-reduce + residual add + RMSNorm
+  ours                 one_shot_lamport_streamed: all-reduce + residual add + RMSNorm, checked
+                       against the fp32 reference and for the same bits on every rank
 GB/s is the bytes a rank sends a direction (S to each peer) over the time. Every copy is checked
 on its receiver against the sender's data. Rows print as they are measured, the table
 last.
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from infini_dist.launch.arguments import positive_int, positive_ints
 from infini_dist.launch.bench import Timer
+from infini_dist.launch.bench_knobs import error_and_agreement
 
 HIDDEN = 4096  # bf16 rows: 1 MiB = 128 tokens, 8 MiB = 1024, 64 MiB = 8192
 
@@ -161,12 +163,10 @@ def all_reduce_rows(link: Link, group, timer: Timer) -> list[tuple]:
     launch, grid, args, kwargs, results = lamport_one_shot_streamed_all_reduce.bind(
         x, residual=residual, weight=weight, group=group)
     seconds = timer.graph(lambda: launch[grid](*args, **kwargs))
-    total = x.float()
-    dist.all_reduce(total, group=group)
-    h = total + residual.float()
-    want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
-    error = float((results[0].float() - want).abs().max())
-    rows.append(("ours (AR + add + RMSNorm)", seconds, f"max abs error {error:.3g}"))
+    error, same = error_and_agreement(results[0], x, residual, weight, None)
+    rows.append(("ours (AR + add + RMSNorm)", seconds,
+                 f"max abs error {error:.3g}, " + ("same bits on all ranks" if same
+                                                  else "RANKS DIFFER")))
     return rows
 
 

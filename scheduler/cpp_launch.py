@@ -67,8 +67,7 @@ def start_early(settings) -> None:
     hides a fresh machine's build (~11 s on 2xH100) and the first calls find the table ready.
     The build is a background thread's, its cached result loads in a second, and a process that
     exits while it runs leaves no lock behind (express._build_lock)."""
-    import torch
-    if settings.express_ops and torch.version.cuda is not None and torch.cuda.is_available():
+    if settings.express_ops and express.cuda_here():
         express.start()
 
 
