@@ -1,17 +1,32 @@
 """torchrun entry points and the infini-dist CLI."""
 
 
-def shutdown():
-    """End a torchrun job: every rank done, then infini_dist's control groups, then the job's.
+SHUTDOWN_LIMIT_S = 120  # a teardown that waits this long is stuck: its stacks, then exit 1
 
-    Control groups left to interpreter teardown can abort a process while gloo's threads are
-    still connected to peers."""
+
+def shutdown():
+    """End a torchrun job: CUDA graphs released, every rank done, then infini_dist's control
+    groups, then the job's.
+
+    A CUDA graph that captured an NCCL collective keeps the communicator busy, and
+    destroy_process_group then waits in ncclCommDestroy for good (pytorch/pytorch#115388): an HF
+    generate() job under reduce-overhead wrote its result and never exited. Control groups left
+    to interpreter teardown can abort a process while gloo's threads are still connected to
+    peers. Whatever else hangs here prints every thread's stack and ends the process."""
+    import faulthandler
+    import gc
+
+    import torch
     import torch.distributed as dist
 
     from infini_dist.scheduler.control import reset_control_planes
+    faulthandler.dump_traceback_later(SHUTDOWN_LIMIT_S, exit=True)
+    torch._dynamo.reset()  # drops the cudagraph trees, and with them their captured collectives
+    gc.collect()  # graphs a job captured itself, once nothing refers to them
     dist.barrier()
     reset_control_planes()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def init_job():

@@ -209,8 +209,8 @@ def alternate(args) -> int:
             print(f"== {variant}: job exited with status {status} after "
                   f"{time.perf_counter() - began:.1f} s", flush=True)
             try:
-                with open(path) as f:
-                    runs[variant].append(json.load(f))
+                with open(path) as f:  # a job that wrote its result and then failed to exit
+                    runs[variant].append(dict(json.load(f), exit_status=status))  # is wrong too
             except OSError as error:
                 runs[variant].append({"error": f"exit status {status}, no result: {error}"})
         rows = summarize(runs)

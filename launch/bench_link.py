@@ -158,7 +158,8 @@ def all_reduce_rows(link: Link, group, timer: Timer) -> list[tuple]:
     rows.append(("symm_two_shot_ar", timer.graph(
         lambda: torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group.group_name)), ""))
     x = link.mine.view(-1, HIDDEN)
-    residual = source(100 + link.rank, link.numel, link.device).view(-1, HIDDEN)
+    # replicated, as a TP layer's residual stream is: then every rank's output has the same bits
+    residual = source(100, link.numel, link.device).view(-1, HIDDEN)
     weight = source(200, HIDDEN, link.device)
     launch, grid, args, kwargs, results = lamport_one_shot_streamed_all_reduce.bind(
         x, residual=residual, weight=weight, group=group)

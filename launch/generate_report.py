@@ -29,7 +29,8 @@ def summarize(runs: dict) -> list[dict]:
     rows = []
     for variant, results in runs.items():
         ok = [r for r in results if "error" not in r]
-        row = {"variant": variant, "runs": len(results), "failed": len(results) - len(ok)}
+        row = {"variant": variant, "runs": len(results), "failed": len(results) - len(ok),
+               "bad_exits": sum(1 for r in ok if r.get("exit_status", 0))}
         if ok:
             rates = [r["tokens_per_s"] for r in ok]
             row.update(tokens_per_s=statistics.median(rates), min=min(rates), max=max(rates),
@@ -71,6 +72,8 @@ def verdict(rows: list[dict], fp32: bool) -> list[str]:
     """What is wrong with the runs (empty: nothing). bf16 divergence is reported, not wrong:
     the fused kernels round differently, and greedy decoding amplifies a flipped argmax."""
     problems = [f"{r['variant']}: {r['failed']} run(s) failed" for r in rows if r["failed"]]
+    problems += [f"{r['variant']}: {r['bad_exits']} job(s) wrote results, then exited non-zero"
+                 for r in rows if r["bad_exits"]]
     for r in (r for r in rows if "tokens_per_s" in r):
         compiled = r["variant"] in COMPILED
         if compiled != r["compiled"]:

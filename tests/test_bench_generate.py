@@ -91,8 +91,8 @@ def test_first_divergence_and_the_verdict():
     base = dict(tokens_per_s=100.0, step_ms=10.0, e2e_tokens_per_s=90.0, sites=0,
                 pass_ran=False, dynamo_graphs=1, timing_graphs=0, cudagraphs=True,
                 ranks_agree=True, dtype="bfloat16")
-    runs = {"plain": [dict(base, tokens=[[5, 6, 7, 8]]), dict(base, tokens_per_s=80.0,
-                                                            tokens=[[5, 6, 7, 8]])],
+    runs = {"plain": [dict(base, tokens=[[5, 6, 7, 8]], exit_status=0),
+                      dict(base, tokens_per_s=80.0, tokens=[[5, 6, 7, 8]], exit_status=1)],
             "enable": [dict(base, sites=9, pass_ran=True, tokens=[[5, 6, 9, 9]]),
                        {"error": "exit status 1"}],
             "compile_config": [dict(base, tokens=[[5, 6, 7, 8]], timing_graphs=2)]}
@@ -101,7 +101,9 @@ def test_first_divergence_and_the_verdict():
                                                       rows["plain"]["max"]) == (80.0, 100.0)
     assert rows["enable"]["first_divergence"] == 2 and rows["enable"]["failed"] == 1
     bf16 = gr.verdict(list(rows.values()), fp32=False)  # divergence is reported, not wrong
-    assert bf16 == ["enable: 1 run(s) failed", "compile_config: the pass made no site",
+    assert bf16 == ["enable: 1 run(s) failed",
+                    "plain: 1 job(s) wrote results, then exited non-zero",
+                    "compile_config: the pass made no site",
                     "compile_config: compiled again during the timed calls"]
     assert "enable: tokens differ from plain's at step 2" in \
         gr.verdict(list(rows.values()), fp32=True)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from infini_dist.launch import bench_train
-from multirank import run_cli
+from multirank import run_cli, run_ranks
 
 TINY = ["--device", "cpu", "--tokens", "16", "--steps", "3", "--warmup", "1", "--layers", "1",
         "--hidden", "32", "--mlp", "64", "--heads", "4", "--kv-heads", "2"]
@@ -29,7 +29,7 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
     for row in rows.values():
         assert len(row["losses"]) == 3 and row["step_ms"] > 0 and row["tokens_per_s"] > 0
         assert row["optimizer"] == "fused"
-    assert rows["inductor"]["sites"] == 0
+    assert rows["inductor"]["sites"] == 0 and rows["inductor_overlap"]["native_sites"] == 0
     # The floor: every collective of its forward and backward graphs gone (2 + 2 a layer), and
     # its sums partial, so its curve is its own (the pass's equals inductor's, below).
     floor = rows[bench_train.FLOOR]
@@ -39,26 +39,73 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
     # Compiled after they decided: each replaced, or left to Inductor where decided native.
     assert rows["infini_dist"]["sites"] + rows["infini_dist"]["native_sites"] == 4
     assert rows["inductor"]["native_sites"] == 0
-    for variant in ("infini_dist", "infini_dist_eager_timing"):
+    for variant in ("infini_dist", "infini_dist_overlap", "infini_dist_eager_timing"):
         ops = rows[variant]["site_ops"]
         assert "all_reduce+add_rms_norm+rms_rstd" in ops
         assert any(o.startswith("all_reduce+") and "rms" not in o for o in ops)  # backward's
     verdicts = {v["variant"]: v for v in data["verdicts"]}
-    assert set(verdicts) == {"infini_dist", "infini_dist_eager_timing", bench_train.FLOOR}
-    for variant in ("infini_dist", "infini_dist_eager_timing"):
+    assert set(verdicts) == {"inductor_overlap", "infini_dist", "infini_dist_overlap",
+                             "infini_dist_eager_timing", bench_train.FLOOR}
+    assert verdicts["inductor_overlap"]["loss_ok"] and rows["inductor_overlap"]["sites"] == 0
+    for variant in ("infini_dist", "infini_dist_overlap", "infini_dist_eager_timing"):
         verdict = verdicts[variant]
         assert verdict["tokens"] == 16 and verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4
         assert verdict["over_floor"] == pytest.approx(
             rows[variant]["step_ms"] / floor["step_ms"])
+        best_plain = min(rows["inductor"]["step_ms"], rows["inductor_overlap"]["step_ms"])
+        assert verdict["speedup_over_best_plain"] == pytest.approx(
+            best_plain / rows[variant]["step_ms"])
     assert verdicts[bench_train.FLOOR]["loss_ok"] and verdicts[bench_train.FLOOR][
         "loss_rel_diff"] is None
     assert (out / "table.md").read_text().startswith("| tokens/step |")
 
 
+def _overlapped_all_reduces(rank, world_size, options):
+    """How many all_reduces of the compiled decoder (forward and backward) have compute between
+    their start and their wait, and how many there are."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+    from infini_dist.launch.tp_decoder import ModelConfig
+    torch.manual_seed(0)
+    model = bench_train.TrainDecoder(ModelConfig(1, 32, 64, 4, 2, context=16), dist.group.WORLD,
+                                     torch.device("cpu"), torch.float32)
+    compiled = torch.compile(model, options=options)
+    _, codes = run_and_get_code(lambda: compiled(torch.randn(1, 16, 32)).sum().backward())
+    overlapped = total = 0
+    for code in codes:
+        lines = code.splitlines()
+        for index, line in enumerate(lines):
+            start = re.search(r"all_reduce_\.default\((?:reinterpret_tensor\()?(buf\d+)", line)
+            if not start:
+                continue
+            total += 1
+            between = []
+            for later in lines[index + 1:]:
+                if "wait_tensor.default" in later and start.group(1) in later:
+                    break
+                between.append(later)
+            overlapped += any("extern_kernels.mm" in x or "cpp_fused" in x for x in between)
+    return overlapped, total
+
+
+def test_the_overlap_peer_runs_compute_between_an_all_reduce_and_its_wait(tmp_path):
+    # inductor_overlap is the user's own overlap (Inductor moving the NCCL wait after the
+    # weight-gradient GEMMs); plain compile waits at once
+    plain, overlap = (run_ranks(_overlapped_all_reduces, 2, options, timeout=240)[0]
+                      for options in ({}, bench_train.OVERLAP))
+    assert plain[1] == overlap[1] == 4, (plain, overlap)  # 2 forward, 2 backward (one layer)
+    assert plain[0] == 0 and overlap[0] >= 1, (plain, overlap)
+
+
 def test_train_bench_arguments():
     args = bench_train.parse_args(["--tokens", "64,128", "--steps", "4", "--warmup", "2"])
     assert args.tokens == [64, 128] and args.model.context == 128 and not args.cpu_smoke
-    assert args.variants == ["inductor", "infini_dist", "collective_free"]
+    assert args.variants == ["inductor", "inductor_overlap", "infini_dist", "infini_dist_overlap",
+                             "collective_free"]
     assert args.optimizers == ["foreach"]
     assert bench_train.parse_args(["--optimizers", "fused,foreach"]).optimizers == [
         "fused", "foreach"]

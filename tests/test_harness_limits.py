@@ -80,3 +80,35 @@ def test_a_stuck_pool_task_kills_the_worker_and_the_pool_closes():
             run(pool, _pid_then_sleep, 600, timeout=3)
     assert time.monotonic() - started < 60
     assert not _wait_gone([worker])
+
+
+def test_a_job_that_cannot_tear_down_prints_its_stacks_and_exits():
+    # launch.shutdown: the compiled code (and with it any CUDA graph that captured a collective)
+    # goes before the process group; a teardown that waits anyway ends the process with stacks.
+    script = """
+import os, sys, time
+import torch, torch.distributed as dist
+import infini_dist.launch as launch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
+order = []
+reset, barrier = torch._dynamo.reset, dist.barrier
+torch._dynamo.reset = lambda: (order.append("reset"), reset())
+dist.barrier = lambda: (order.append("barrier"), barrier())
+def stuck():
+    print(" ".join(order), flush=True)
+    time.sleep(600)
+dist.destroy_process_group = stuck
+launch.SHUTDOWN_LIMIT_S = 2
+launch.shutdown()
+"""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    done = run_process([sys.executable, "-c", script, str(port)], timeout=120)
+    assert done.returncode != 0 and time.monotonic() - started < 100
+    assert done.stdout.split() == ["reset", "barrier"], done.stdout + done.stderr
+    assert "Timeout" in done.stderr and "stuck" in done.stderr, done.stderr[-2000:]
