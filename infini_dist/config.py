@@ -104,6 +104,11 @@ FLAGS = {
     # GPUs: on, every row-parallel projection joins its site, which changes the sites of every
     # compiled model and what tuning them costs.
     "matmul_prologue": (False, check_bool),
+    # The compile pass makes sites in backward graphs too. False leaves a backward graph's
+    # collectives to Inductor: its compute/communication overlap (reorder_for_compute_comm_
+    # overlap) can then issue each all_reduce early and wait for it after the weight-gradient
+    # GEMMs, which our synchronous sites cannot. Which is faster is measured by bench --train.
+    "backward_sites": (True, check_bool),
     "fusion_speedup_threshold": (1.0, _threshold),
     "max_autotune_threads": (4, check_positive_int),
     "benchmark_warmup": (3, check_nonneg_int),

@@ -17,9 +17,10 @@ row of its own). Per tokens-per-step, optimizer and variant (inductor: torch.com
 infini_dist: compile_model(model), after rounds of one forward and backward that decide every
 site, so that sites decided native stay Inductor's code; inductor_overlap and
 infini_dist_overlap: the same two with Inductor's compute/communication overlap options,
-OVERLAP; collective_free: torch.compile(model)
-with every collective of its forward and backward graphs a local no-op, the floor of issue #27's
-target, launch/collective_free.py), a fresh model with the same weights trains --steps steps;
+OVERLAP; infini_dist_forward_overlap: the latter with config.backward_sites off;
+collective_free: torch.compile(model) with every collective of its forward and backward graphs
+a local no-op, the floor of issue #27's target, launch/collective_free.py), a fresh model with
+the same weights trains --steps steps;
 after --warmup steps (compile and tuning) each step is timed, median per rank, max over ranks.
 The pass's loss curves must agree with inductor's within --tol (bf16 noise on GPU); exit status
 1 if they do not. The floor's curve is not checked (its sums are partial) and must leave no
@@ -50,10 +51,12 @@ from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 # inductor_overlap: plain compile with Inductor's own compute/communication overlap (its
 # overlap scheduler moves each NCCL collective's start early and its wait late, so the backward
 # all-reduces can run under the weight-gradient GEMMs): the user's best plain path, a peer.
-# infini_dist_overlap: the pass under the same Inductor options, as such a user would add it.
+# infini_dist_overlap: the pass under the same Inductor options, as such a user would add it;
+# infini_dist_forward_overlap: the same with config.backward_sites off, so the backward
+# all-reduces stay NCCL's under Inductor's overlap and only the forward sites are ours.
 FLOOR = "collective_free"
 VARIANTS = ("inductor", "inductor_overlap", "infini_dist", "infini_dist_overlap",
-            "infini_dist_eager_timing", FLOOR)
+            "infini_dist_forward_overlap", "infini_dist_eager_timing", FLOOR)
 OVERLAP = {"reorder_for_compute_comm_overlap": True,  # config.py's recommended passes
            "reorder_for_compute_comm_overlap_passes": [
                "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
@@ -157,7 +160,8 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)  # seeded: same weights
     floor = collective_free.CollectiveFree()
     # the whole variant under its settings: the sites look their executors up by them
-    with infini_dist.config.patch(benchmark_cuda_graphs=variant != "infini_dist_eager_timing"):
+    with infini_dist.config.patch(benchmark_cuda_graphs=variant != "infini_dist_eager_timing",
+                                  backward_sites=variant != "infini_dist_forward_overlap"):
         if variant == "inductor":
             forward = torch.compile(model)
         elif variant == "inductor_overlap":
@@ -240,7 +244,7 @@ def add_arguments(parser):
                         help="tokens per step, comma-separated")
     parser.add_argument("--variants", type=names(VARIANTS),
                         default=f"inductor,inductor_overlap,infini_dist,infini_dist_overlap,"
-                                f"{FLOOR}",
+                                f"infini_dist_forward_overlap,{FLOOR}",
                         help=f"comma-separated, among {','.join(VARIANTS)} (inductor always runs)")
     parser.add_argument("--optimizers", type=names(OPTIMIZERS), default="foreach",
                         help="AdamW implementations, each timed with every variant: foreach, "

@@ -45,7 +45,15 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
         assert any(o.startswith("all_reduce+") and "rms" not in o for o in ops)  # backward's
     verdicts = {v["variant"]: v for v in data["verdicts"]}
     assert set(verdicts) == {"inductor_overlap", "infini_dist", "infini_dist_overlap",
-                             "infini_dist_eager_timing", bench_train.FLOOR}
+                             "infini_dist_forward_overlap", "infini_dist_eager_timing",
+                             bench_train.FLOOR}
+    # config.backward_sites off: the two forward sites only, the backward left to Inductor
+    forward_only = rows["infini_dist_forward_overlap"]
+    assert forward_only["sites"] + forward_only["native_sites"] == 2, forward_only
+    # (a forward site decided to fuse nothing is made again as its all_reduce alone; the
+    # backward's epilogues are the norm backward's muls)
+    assert not any("mul" in o for o in forward_only["site_ops"]), forward_only
+    assert verdicts["infini_dist_forward_overlap"]["loss_rel_diff"] < 1e-4
     assert verdicts["inductor_overlap"]["loss_ok"] and rows["inductor_overlap"]["sites"] == 0
     for variant in ("infini_dist", "infini_dist_overlap", "infini_dist_eager_timing"):
         verdict = verdicts[variant]
@@ -105,7 +113,7 @@ def test_train_bench_arguments():
     args = bench_train.parse_args(["--tokens", "64,128", "--steps", "4", "--warmup", "2"])
     assert args.tokens == [64, 128] and args.model.context == 128 and not args.cpu_smoke
     assert args.variants == ["inductor", "inductor_overlap", "infini_dist", "infini_dist_overlap",
-                             "collective_free"]
+                             "infini_dist_forward_overlap", "collective_free"]
     assert args.optimizers == ["foreach"]
     assert bench_train.parse_args(["--optimizers", "fused,foreach"]).optimizers == [
         "fused", "foreach"]

@@ -10,9 +10,10 @@ all_reduce (or registered user op, matched by its 'ns::op' name) and the ops aro
 `infini_dist::fused_site` call that the engine tunes at run time. Flags it obeys, read when a
 graph is compiled: `enable_custom_op_fusion` (off: graphs untouched), `custom_op_fusion_types`
 ('prologue', 'epilogue', 'cross_subgraph'), `max_fusion_depth` (IR ops captured per chain),
-`matmul_prologue` (the mm / addmm / linear feeding an all_reduce joins its site; off by default).
-They are part of the pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo
-does not know them, so call torch._dynamo.reset() after changing them in a running process.
+`matmul_prologue` (the mm / addmm / linear feeding an all_reduce joins its site; off by
+default), `backward_sites` (off: backward graphs' collectives stay Inductor's). They are part
+of the pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo does not
+know them, so call torch._dynamo.reset() after changing them in a running process.
 `decisions()` lists what the compiled sites committed. What the pass did: `stats` ("graphs",
 "sites", "native_sites" in this process), `last_sites` (the latest graph's site texts), and
 

@@ -53,7 +53,7 @@ _KINDS = {op_type: kind for kind in (all_reduce_match, scatter_gather_match)
 _COLLECTIVE_NAMESPACES = ("_c10d_functional.", "symm_mem.")
 
 _UUID_FLAGS = ("enable_custom_op_fusion", "custom_op_fusion_types", "enable_recursive_fusion",
-               "max_fusion_depth", "matmul_prologue")
+               "max_fusion_depth", "matmul_prologue", "backward_sites")
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,7 +153,8 @@ def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
 
 def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
     kind, collectives = _describe(graph)  # before the sites replace the collectives
-    if not settings.enable_custom_op_fusion:
+    if not settings.enable_custom_op_fusion or (kind == "backward"
+                                                and not settings.backward_sites):
         return GraphRecord(kind, collectives, ())
     custom = anchors.anchor_names()
     replaced: list[str] = []
