@@ -42,7 +42,7 @@ from infini_dist.launch.arguments import (add_model_sizes, names, nonnegative_in
 from infini_dist.launch.bench_hf import FAMILIES, load_tp_model, make_config
 from infini_dist.launch.bench_model import Bench, setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
-from infini_dist.launch.generate_report import VARIANTS, summarize, table, verdict
+from infini_dist.launch.generate_report import VARIANTS, speed, summarize, table, verdict
 MODULE = "infini_dist.launch.bench_generate"  # what torchrun starts (__name__ may be __main__)
 
 
@@ -115,6 +115,26 @@ def timed_generate(model, bench: Bench, prompt, config, watch: CudagraphWatch):
     return out[:, prompt.shape[1]:].tolist(), wall_ms, clock.step_ms()
 
 
+def profile(call, args) -> None:
+    """One more generate call under torch.profiler: where a decode step's host time goes (ops by
+    self CPU time, and the launch calls outside CUDA graphs against graph launches), per rank."""
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                           else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+    events = prof.key_averages()
+    launches = {e.key: e.count for e in events
+                if e.key.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy",
+                                     "cudaMemset", "cudaStreamSynchronize", "cudaEventRecord"))}
+    text = (f"{args.variant}, rank {dist.get_rank()}: one generate call of {args.new_tokens} "
+            f"tokens\nruntime calls: {json.dumps(launches)}\n" +
+            events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, f"{args.variant}_rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(text)
+
+
 def run_variant(args) -> int:
     from torch._dynamo.utils import counters
 
@@ -148,6 +168,8 @@ def run_variant(args) -> int:
             walls.append(wall_ms)
             steps += step_ms
         phase(f"{args.reps} timed calls")
+        if args.profile:
+            profile(lambda: timed_generate(model, bench, prompt, config, watch), args)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, tokens, group=control)
     step = bench.worst(statistics.median(steps)) if steps else float("nan")
@@ -191,7 +213,8 @@ def child_argv(args, variant: str, path: str) -> list[str]:
     for flag in ("family", "layers", "hidden", "mlp", "heads", "kv_heads", "vocab", "batch",
                  "prompt", "new_tokens", "warmup", "reps"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return argv + (["--cpu-smoke"] if args.cpu_smoke else [])
+    return argv + (["--cpu-smoke"] if args.cpu_smoke else []) + \
+        (["--profile", args.profile] if args.profile else [])
 
 
 def alternate(args) -> int:
@@ -220,7 +243,7 @@ def alternate(args) -> int:
                  f"{args.prompt}, {args.new_tokens} new tokens, {round_ + 1} of {args.alternate} "
                  f"alternating round(s); tokens/s = batch / median decode step; spread over "
                  f"processes"] + table(rows, args.new_tokens) + \
-            [f"verdict: {'; '.join(problems) or 'ok'}"]
+            [f"speed: {speed(rows)}", f"verdict: {'; '.join(problems) or 'ok'}"]
         print("\n".join(lines), flush=True)
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump({"rows": rows, "problems": problems, "fp32": fp32,
@@ -250,6 +273,9 @@ def add_arguments(parser):
     parser.add_argument("--out", default="bench_generate_out",
                         help="the driver's results; the model's temporary files")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo CPU ranks, float32")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="after the timed calls, profile one more and write each rank's "
+                             "host-time table to DIR")
 
 
 def finish(parser, args, world):

@@ -87,4 +87,30 @@ def verdict(rows: list[dict], fp32: bool) -> list[str]:
         if fp32 and r["first_divergence"] is not None:
             problems.append(f"{r['variant']}: tokens differ from plain's at step "
                             f"{r['first_divergence']}")
+    # Speed counts on GPUs (not the fp32 CPU smoke, whose host costs are not the product's), with
+    # at least two processes a side: one process cannot show the spread.
+    problems += [f"{r['variant']}: slower than plain in every process ({r['max']:.1f} tokens/s "
+                 f"at best, plain {plain['min']:.1f} at worst)"
+                 for plain, r in _against_plain(rows) if not fp32 and r["max"] < plain["min"]
+                 and min(plain["runs"] - plain["failed"], r["runs"] - r["failed"]) >= 2]
     return problems
+
+
+def _against_plain(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(plain's row, a pass route's row) for each pass route that has timings, where plain has."""
+    plain = next((r for r in rows if r["variant"] == "plain" and "tokens_per_s" in r), None)
+    return [] if plain is None else [(plain, r) for r in rows
+                                     if r["variant"] in WITH_PASS and "tokens_per_s" in r]
+
+
+def speed(rows: list[dict]) -> str:
+    """Each pass route's tokens/s against plain's, and whether the processes' spreads separate
+    them: a host-bound loop moves by more between processes than the sites can change."""
+    parts = []
+    for plain, r in _against_plain(rows):
+        ratio = r["tokens_per_s"] / plain["tokens_per_s"]
+        apart = "faster in every process" if r["min"] > plain["max"] else \
+            "slower in every process" if r["max"] < plain["min"] else \
+            "within the spread of the processes"
+        parts.append(f"{r['variant']} {ratio:.2f}x plain's median, {apart}")
+    return "; ".join(parts)

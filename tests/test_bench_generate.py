@@ -50,7 +50,7 @@ def drive(tmp_path, *argv, timeout, **env):
 def test_every_route_makes_plain_compiles_tokens_on_cpu(tmp_path):
     run, results, out = drive(tmp_path, "--alternate", "1", "--nproc", "2", "--cpu-smoke",
                               "--variants", "plain,enable,compile_config,eager", *TINY,
-                              timeout=460)
+                              "--profile", str(tmp_path / "profile"), timeout=460)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert sorted(results) == sorted(bg.VARIANTS)
     plain = results["plain"]["tokens"]
@@ -78,8 +78,15 @@ def test_every_route_makes_plain_compiles_tokens_on_cpu(tmp_path):
     rows = {r["variant"]: r for r in summary["rows"]}
     assert rows["enable"]["sites"] == 5 and rows["plain"]["compiled"]
     assert all(r["first_divergence"] is None and r["compared"] == 1 for r in rows.values())
+    # --profile: one more call per route and rank, its host time by op: the pass routes' sites
+    # run as our op, plain's collectives as c10d's
+    for variant in bg.VARIANTS:
+        for rank in (0, 1):
+            text = (tmp_path / "profile" / f"{variant}_rank{rank}.txt").read_text()
+            assert text.startswith(f"{variant}, rank {rank}: one generate call of 8 tokens")
+            assert ("infini_dist::fused_site" in text) == (variant in gr.WITH_PASS), text
     lines = run.stdout.splitlines()
-    assert lines[-1] == "verdict: ok"
+    assert lines[-1] == "verdict: ok" and lines[-2].startswith("speed: enable "), lines[-2:]
     enable = next(line for line in lines if line.startswith("| enable | 1 | "))
     assert enable.endswith("| yes | 5 | no | same |"), enable
 
@@ -109,6 +116,30 @@ def test_first_divergence_and_the_verdict():
         gr.verdict(list(rows.values()), fp32=True)
     line = next(x for x in gr.table(list(rows.values()), 4) if x.startswith("| enable"))
     assert "2 (1 failed)" in line and "first differs at step 2 of 4" in line
+
+
+def test_speed_is_judged_against_the_spread_of_processes():
+    def rows(plain, enable):
+        base = dict(step_ms=10.0, e2e_tokens_per_s=90.0, sites=8, pass_ran=True,
+                    dynamo_graphs=1, timing_graphs=0, cudagraphs=True, ranks_agree=True,
+                    tokens=[[5, 6]])
+        runs = {"plain": [dict(base, tokens_per_s=t, sites=0, pass_ran=False) for t in plain],
+                "enable": [dict(base, tokens_per_s=t) for t in enable]}
+        return gr.summarize(runs)
+
+    apart = rows([500.0, 540.0, 520.0], [400.0, 410.0, 420.0])  # slower in every process
+    assert gr.verdict(apart, fp32=False) == [
+        "enable: slower than plain in every process (420.0 tokens/s at best, plain 500.0 at "
+        "worst)"]
+    assert gr.speed(apart) == "enable 0.79x plain's median, slower in every process"
+    assert gr.verdict(apart, fp32=True) == []  # the CPU smoke's host costs are not judged
+    assert gr.verdict(rows([500.0], [400.0]), fp32=False) == []  # one process: no spread
+    overlapping = rows([445.0, 535.0, 553.0], [391.0, 403.0, 446.0])  # session 15's 2xH100 run
+    assert gr.verdict(overlapping, fp32=False) == []
+    assert gr.speed(overlapping) == ("enable 0.75x plain's median, within the spread of the "
+                                     "processes")
+    faster = rows([400.0, 410.0], [500.0, 510.0])
+    assert gr.verdict(faster, fp32=False) == [] and "faster in every process" in gr.speed(faster)
 
 
 @pytest.mark.parametrize("cpu", [True, False])
