@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import infini_dist
+from infini_dist.scheduler.benchmark import CALLS_PER_GRAPH
 from infini_dist.scheduler.choices import RunContext, native_choice
 from infini_dist.scheduler.engine import executor_for
 from infini_dist.launch import shutdown
@@ -52,8 +53,14 @@ from infini_dist.launch.bench_targets import (above_native, engine_vs_ar_alone,
 from infini_dist.launch.peers_flashinfer import open_peers as open_flashinfer
 
 class Timer:
-    def __init__(self, device, trials, replays):
+    """`graph_calls`: calls captured in each CUDA graph; a replay's time is divided by it. One
+    call a graph adds the gap between graph launches to every call (about 1 µs on H100, a
+    fifth of a one-token call); a decode graph runs many ops back to back, and the engine's
+    tuning captures CALLS_PER_GRAPH (10) a graph, the sweep's default too."""
+
+    def __init__(self, device, trials, replays, graph_calls: int = 1):
         self.device, self.trials, self.replays = device, trials, replays
+        self.graph_calls = graph_calls
         self.cuda = device.type == "cuda"
 
     def _sync(self):
@@ -118,9 +125,10 @@ class Timer:
         torch.cuda.current_stream(self.device).wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
-            fn()
+            for _ in range(self.graph_calls):
+                fn()
         try:
-            return self._measure(cuda_graph.replay, reset)
+            return self._measure(cuda_graph.replay, reset) / self.graph_calls
         finally:
             del cuda_graph
 
@@ -284,6 +292,8 @@ def add_arguments(parser):
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--trials", type=positive_int, default=5)
     parser.add_argument("--replays", type=positive_int, default=20)
+    parser.add_argument("--graph-calls", type=positive_int, default=CALLS_PER_GRAPH,
+                        help="calls captured in each CUDA graph (its replay time divided by it)")
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--no-compile-peer", dest="compile_peer", action="store_false")
     parser.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
@@ -312,7 +322,7 @@ def main(argv=None):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl")
-    timer = Timer(device, args.trials, args.replays)
+    timer = Timer(device, args.trials, args.replays, args.graph_calls)
     flashinfer = None
     if args.flashinfer:
         flashinfer = open_flashinfer(None, max(tokens), args.hidden, getattr(torch, args.dtype),
@@ -333,7 +343,7 @@ def main(argv=None):
                 print(f"{pattern} tokens={t}: committed {info['committed']}, |engine - native| "
                       f"max {info['engine_vs_native_max_abs']:.3g}", flush=True)
     if dist.get_rank() == 0:
-        rows += extra_rows(args.extra_rows, patterns, tokens)
+        rows += extra_rows(args.extra_rows, patterns, tokens, args.graph_calls)
         for mode in ("graph", "eager"):
             print_table(rows, patterns, tokens, mode)
         slower = above_native(rows, args.noise)
@@ -352,6 +362,7 @@ def main(argv=None):
         meta = {"world_size": dist.get_world_size(), "hidden": args.hidden, "dtype": args.dtype,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "torch": torch.__version__, "cases": cases, "noise": args.noise,
+                "graph_calls": args.graph_calls, "replays": args.replays,
                 "engine_above_native": slower}
         try:
             import triton

@@ -69,11 +69,18 @@ def fp8_cost(rows, mode) -> list[str]:
     return out
 
 
-def extra_rows(paths, patterns, tokens) -> list[dict]:
-    """The rows of other processes' results.json files, for this sweep's cases only."""
+def extra_rows(paths, patterns, tokens, graph_calls: int = 1) -> list[dict]:
+    """The rows of other processes' results.json files, for this sweep's cases only. A file
+    timed with another number of calls per CUDA graph (meta `graph_calls`, 1 where absent) is
+    left out, with a line saying so: its graph rows would not compare with this sweep's."""
     rows = []
     for path in paths:
         with open(path) as f:
-            rows += [r for r in json.load(f)["rows"]
-                     if r["pattern"] in patterns and r["tokens"] in tokens]
+            result = json.load(f)
+        theirs = result.get("meta", {}).get("graph_calls", 1)
+        if theirs != graph_calls:
+            print(f"extra rows of {path} left out: timed with {theirs} call(s) a CUDA graph, "
+                  f"this sweep with {graph_calls}", flush=True)
+            continue
+        rows += [r for r in result["rows"] if r["pattern"] in patterns and r["tokens"] in tokens]
     return rows

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from infini_dist.launch import shutdown
 from infini_dist.launch.arguments import names, nonempty_ints, parse, positive_int
 from infini_dist.launch.bench import Timer
+from infini_dist.scheduler.benchmark import CALLS_PER_GRAPH
 from infini_dist.launch.bench_patterns import (PATTERNS, dequantized, eager_epilogue,
                                                make_inputs)
 from infini_dist.launch.peers_flashinfer import output_error
@@ -60,6 +61,8 @@ def add_arguments(parser):
     parser.add_argument("--out", default="nccl_symm_out")
     parser.add_argument("--trials", type=positive_int, default=3)
     parser.add_argument("--replays", type=positive_int, default=20)
+    parser.add_argument("--graph-calls", type=positive_int, default=CALLS_PER_GRAPH,
+                        help="calls captured in each CUDA graph: as the sweep it joins")
 
 
 def main(argv=None):
@@ -69,7 +72,7 @@ def main(argv=None):
     torch.cuda.set_device(device)
     symm_mem.set_backend("NCCL")  # before any symmetric tensor of this process
     dist.init_process_group("nccl", device_id=device)
-    timer = Timer(device, args.trials, args.replays)
+    timer = Timer(device, args.trials, args.replays, args.graph_calls)
     rows = []
     for pattern in args.patterns:
         for tokens in args.tokens:
@@ -82,6 +85,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": {"backend": "NCCL symmetric memory",
                                 "world_size": dist.get_world_size(),
+                                "graph_calls": args.graph_calls, "replays": args.replays,
                                 "nccl": ".".join(map(str, torch.cuda.nccl.version()))},
                        "rows": rows}, f, indent=1)
         for row in rows:

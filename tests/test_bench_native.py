@@ -30,7 +30,8 @@ def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     out = tmp_path / "out"
     # rows of another process of the same run (the NCCL-symmetric peer's), merged into the tables
     extra = tmp_path / "extra.json"
-    extra.write_text(json.dumps({"rows": [_row("nccl_symm_ar", None, 3.0, "add_rms_norm", 2)]}))
+    extra.write_text(json.dumps({"meta": {"graph_calls": 10},  # as the peer's process writes
+                                 "rows": [_row("nccl_symm_ar", None, 3.0, "add_rms_norm", 2)]}))
     run = run_cli(tmp_path, "bench", "--nproc", "2", "--cpu-smoke", "--tokens", "2", "--hidden",
                   "32", "--patterns", "add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_token",
                   "--trials", "2", "--replays", "2", "--extra-rows", str(extra),
@@ -39,6 +40,7 @@ def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     data = json.loads((out / "results.json").read_text())
     impls = {r["impl"] for r in data["rows"]}
     assert {"native", "cand:native", "engine"} <= impls
+    assert data["meta"]["graph_calls"] == 10  # the engine's tuning captures as many a graph
     assert not any("unfused" in name for name in impls)
     case = data["meta"]["cases"]["add_rms_norm/2"]
     assert case["engine_vs_native_max_abs"] < 1e-5  # float32 on CPU
@@ -93,3 +95,47 @@ def test_extra_rows_keep_only_the_sweeps_cases(tmp_path):
                                          _row("nccl_symm", 9.0, 50.0, "relu_scale", 1)]}))
     assert bench_targets.extra_rows([str(path)], ["add_rms_norm"], [1, 16]) == [
         _row("nccl_symm_ar", 7.0, 25.0, "add_rms_norm", 1)]
+
+
+def test_extra_rows_of_another_graph_method_are_left_out(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": {"graph_calls": 10},
+                                "rows": [_row("nccl_symm_ar", 7.0, 25.0, "add_rms_norm", 1)]}))
+    assert bench_targets.extra_rows([str(path)], ["add_rms_norm"], [1], graph_calls=10) == [
+        _row("nccl_symm_ar", 7.0, 25.0, "add_rms_norm", 1)]
+    assert bench_targets.extra_rows([str(path)], ["add_rms_norm"], [1], graph_calls=1) == []
+    assert "timed with 10 call(s) a CUDA graph, this sweep with 1" in capsys.readouterr().out
+
+
+def test_a_graph_holds_graph_calls_calls_and_its_replay_is_divided(monkeypatch):
+    """Timer.graph, its CUDA calls faked: the eager and side-stream warm-up calls, then
+    graph_calls calls captured, and the replay's time per call."""
+    import contextlib
+    import types
+
+    from infini_dist.launch import bench
+    captured = []
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def capture(graph):
+        captured.append("begin")
+        yield
+        captured.append("end")
+
+    fake_stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    for name, value in {"synchronize": lambda device=None: None, "Stream": lambda d: fake_stream,
+                        "stream": lambda s: contextlib.nullcontext(),
+                        "current_stream": lambda d=None: fake_stream,
+                        "CUDAGraph": FakeGraph, "graph": capture}.items():
+        monkeypatch.setattr(bench.torch.cuda, name, value)
+    monkeypatch.setattr(bench.dist, "barrier", lambda: None)
+    timer = bench.Timer(types.SimpleNamespace(type="cuda"), trials=1, replays=1, graph_calls=4)
+    monkeypatch.setattr(timer, "_measure", lambda body, reset: 8e-6)  # one replay: 8 us
+    calls = []
+    assert timer.graph(lambda: calls.append(list(captured))) == 2e-6
+    # two warm-up calls outside any capture, then four inside one
+    assert [len(c) for c in calls] == [0, 0, 1, 1, 1, 1] and captured == ["begin", "end"]
