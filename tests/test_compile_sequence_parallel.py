@@ -82,6 +82,34 @@ def test_what_stays_with_inductor(case):
     assert [ops_of(s) for s in subs] == expected[case]
 
 
+def test_on_gpus_a_site_needs_an_algorithm_of_ours(monkeypatch):
+    """On GPUs no algorithm of ours runs an all_gather (its prologue or not): such a site could
+    only commit native, Inductor's code plus our dispatch, so the pass leaves it to Inductor,
+    while the reduce_scatter span, which our kernels run, stays a site. The CPU backend makes
+    every site (it tests them); here CPU plays a GPU whose registry is CUDA's (the patterns
+    are traced on the graph's device, so a CUDA graph cannot be matched on this machine)."""
+    from infini_dist.compile import passes
+    from infini_dist.scheduler.choices import algorithms_for
+
+    def f(x, residual, w):
+        h = rs(x) + residual
+        return ag(llama_norm(h, w)), ag(torch.relu(llama_norm(residual, w)) * 2.0), h
+    args = rand(8, 16), rand(4, 16, seed=1), rand(16, seed=2)
+    assert [ops_of(s) for s in fuse(export(f, *args))] == [
+        ["reduce_scatter", "add_rms_norm", "all_gather"],
+        ["rms_norm", "relu", "scale", "all_gather"]]
+    cuda = {"all_reduce": True, "reduce_scatter": True, "all_gather": False}
+    if algorithms_for("reduce_scatter", "cuda"):  # where the GPU backend imports: its registry
+        cuda = {op: bool(algorithms_for(op, "cuda")) for op in cuda}
+    assert cuda == {"all_reduce": True, "reduce_scatter": True, "all_gather": False}
+    monkeypatch.setattr(passes, "_SPEED_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(passes, "algorithms_for", lambda op, device: [op] if cuda[op] else [])
+    gm = export(f, *args)
+    assert [ops_of(s) for s in fuse(gm)] == [["reduce_scatter", "add_rms_norm", "all_gather"]]
+    # the second gather and its norm are Inductor's again, untouched
+    assert sum(1 for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default) == 1
+
+
 def test_a_gather_of_the_wrong_size_fails_clearly():
     from infini_dist.scheduler import op_registry
     with pytest.raises(ValueError, match="equal chunks"):

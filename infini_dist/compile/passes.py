@@ -37,6 +37,7 @@ import infini_dist.kernels.epilogue
 from infini_dist.compile import all_reduce_match, anchors, decided, matching
 from infini_dist.compile import scatter_gather_match
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
+from infini_dist.scheduler.choices import algorithms_for
 from infini_dist.scheduler.ir import OpNode, SubGraph, subgraph_from_text
 from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler.store import STORE
@@ -172,6 +173,9 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
                 skipped.add(node)  # not a sum, or its result is used without a wait
         if found is None:
             break
+        if _no_algorithm_of_ours(found):
+            skipped.add(node)  # it could only run native: Inductor's own code, no dispatch
+            continue
         index = matching.GraphIndex(graph, custom)
         kind_module = _KINDS.get(found.op_type, matching)
         site, text, inputs, outputs = _to_write(kind_module.find_site(index, found, settings),
@@ -190,6 +194,22 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
         log.info("infini_dist: %d deferred-choice site(s) in a graph: %s", len(replaced),
                  "; ".join(_summary(t) for t in replaced))
     return GraphRecord(kind, collectives, tuple(replaced), native)
+
+
+# Devices whose algorithms are there for speed. On such a device a site whose anchor has no
+# algorithm of ours (an all_gather, whatever prologue it takes, on CUDA) could only commit native,
+# which runs what Inductor runs without the site, plus the op's dispatch, and cuts Inductor's
+# fusions across the site's edges (an RMSNorm's reduction from its weight's multiply). The CPU
+# backend is there to test the sites' structure and native numerics, so CPU sites are made
+# regardless.
+_SPEED_DEVICES = frozenset({"cuda"})
+
+
+def _no_algorithm_of_ours(anchor: anchors.FxOp) -> bool:
+    value = anchors.value_of(anchor.inputs[0]) if anchor.inputs else None
+    device = getattr(value, "device", None)
+    return (device is not None and device.type in _SPEED_DEVICES
+            and not algorithms_for(anchor.op_type, device.type))
 
 
 def _describe(graph: fx.Graph) -> tuple[str, tuple[str, ...]]:
