@@ -26,10 +26,10 @@ import torch.distributed as dist
 from infini_dist.launch import shutdown
 from infini_dist.launch.arguments import names, nonempty_ints, parse, positive_int
 from infini_dist.launch.bench import Timer
-from infini_dist.scheduler.benchmark import CALLS_PER_GRAPH
 from infini_dist.launch.bench_patterns import (PATTERNS, dequantized, eager_epilogue,
                                                make_inputs)
 from infini_dist.launch.peers_flashinfer import output_error
+from infini_dist.scheduler.benchmark import CALLS_PER_GRAPH
 
 
 def peers(pattern, inputs, group_name):
