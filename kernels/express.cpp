@@ -2,25 +2,23 @@
 // table of committed launches, each matched on the op, its group, its scalar and the exact
 // layout of its tensors, then launched with cuLaunchKernel on the current stream. Python only
 // builds the records; a call that matches none returns None and takes the Python path.
-// Only what the table uses, not torch/extension.h (the whole C++ frontend): a fresh machine's
-// first build takes half the time, and until it is done eager calls take the Python path.
-#include <ATen/core/Tensor.h>
-#include <ATen/core/grad_mode.h>
-#include <ATen/ops/empty.h>
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/utils/pybind.h>
+//
+// It includes no torch header: torch's types and the few callables it needs (torch.empty, the
+// grad mode, the current device and stream) are handed over once (express.build calls bind),
+// and tensors are read through their Python attributes. Compiling against ATen and pybind11 took 11-14 s,
+// the window in which a fresh machine's eager calls paid the Python path's host cost; this
+// compiles in about a second, and a tensor's attributes cost well under a microsecond each.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 
 #include <dlfcn.h>
 
+#include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
-
-#ifdef EXPRESS_WITH_CUDA
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace {
 
@@ -36,25 +34,62 @@ void* driver_symbol(const char* name) {
 
 LaunchFn launcher = nullptr;  // cuLaunchKernel unless a test set another
 
+// A new reference, released when it goes out of scope.
+struct Ref {
+  PyObject* p = nullptr;
+  Ref() = default;
+  explicit Ref(PyObject* o) : p(o) {}
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  Ref(Ref&& o) noexcept : p(o.p) { o.p = nullptr; }
+  ~Ref() { Py_XDECREF(p); }
+  PyObject* get() const { return p; }
+};
+
+struct Torch {  // from express.bind; strong references held for the module's life
+  PyObject* tensor_type = nullptr;
+  PyObject* parameter_type = nullptr;
+  PyObject* empty = nullptr;           // torch.empty
+  PyObject* empty_like = nullptr;      // torch.empty_like: half torch.empty's cost per call
+  PyObject* grad_enabled = nullptr;    // torch.is_grad_enabled
+  PyObject* current_device = nullptr;  // () -> int, or None without CUDA
+  PyObject* current_stream = nullptr;  // (device) -> the raw stream as an int, or None
+  PyObject* empty_kwnames = nullptr;   // ("dtype", "device")
+  PyObject* shape = nullptr;           // interned attribute and method names
+  PyObject* dtype = nullptr;
+  PyObject* stride = nullptr;
+  PyObject* data_ptr = nullptr;
+  PyObject* get_device = nullptr;
+  PyObject* requires_grad = nullptr;
+  PyObject* is_cuda = nullptr;
+} torch_;
+
 struct Layout {  // what a tensor argument must be like
   std::vector<int64_t> sizes, strides;
-  at::ScalarType dtype;
-  bool aligned;  // its address is a kernel argument: 16-byte aligned, like Triton's
+  PyObject* dtype;  // a torch.dtype (one object per dtype), held
+  bool aligned;     // its address is a kernel argument: 16-byte aligned, like Triton's
+};
+
+struct Output {  // what each call allocates: torch.empty(sizes, dtype=, device=)
+  PyObject* sizes;
+  PyObject* dtype;
+  PyObject* device;
+  bool like_first;  // the same as torch.empty_like(the first input), which is contiguous
 };
 
 struct Record {
   int op;
-  PyObject* group;   // matched by identity; a reference held until clear()
-  PyObject* keep;    // what owns the launch's buffers and kernel: alive while recorded
+  PyObject* group;  // matched by identity; a reference held until clear()
+  PyObject* keep;   // what owns the launch's buffers and kernel: alive while recorded
   double scalar;
-  int device;        // -1: any (CPU tests)
+  int device;       // -1: any (CPU tests)
   std::vector<Layout> inputs;
-  std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> outputs;
+  std::vector<Output> outputs;
   std::vector<int> returned;  // indices into outputs, in the op's order
   uint64_t function;
   unsigned grid[3], threads, shared;
-  std::vector<uint64_t> cells;                  // one 8-byte cell per kernel parameter
-  std::vector<std::pair<int, int>> slots;       // (cell, tensor: inputs, then outputs)
+  std::vector<uint64_t> cells;              // one 8-byte cell per kernel parameter
+  std::vector<std::pair<int, int>> slots;   // (cell, tensor: inputs, then outputs)
 };
 
 std::vector<std::unique_ptr<Record>> records;
@@ -68,7 +103,7 @@ uint64_t mix(uint64_t seed, uint64_t value) {
 }
 
 uint64_t key_of(int op, const void* group, double scalar,
-                const std::vector<c10::IntArrayRef>& shapes) {
+                const std::vector<std::vector<int64_t>>& shapes) {
   uint64_t bits;
   std::memcpy(&bits, &scalar, sizeof bits);
   uint64_t key = mix(mix(mix(static_cast<uint64_t>(op), reinterpret_cast<uintptr_t>(group)),
@@ -78,135 +113,320 @@ uint64_t key_of(int op, const void* group, double scalar,
   return key;
 }
 
-bool matches(const Layout& layout, const at::Tensor& t) {
-  if (!t.defined() || t.scalar_type() != layout.dtype || !t.has_storage()
-      || t.key_set().has(c10::DispatchKey::Python) || t.sizes() != layout.sizes
-      || t.strides() != layout.strides)
-    return false;
-  return !layout.aligned || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+// A tuple of ints (a torch.Size, a stride) as a vector; false if it is not one.
+bool ints_of(PyObject* sequence, std::vector<int64_t>& out) {
+  if (sequence == nullptr || !PyTuple_Check(sequence)) return false;
+  out.resize(static_cast<size_t>(PyTuple_GET_SIZE(sequence)));
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(sequence, static_cast<Py_ssize_t>(i)));
+  return !PyErr_Occurred();
 }
 
-// `items`: the call's arguments as passed; anything but tensors leaves the call to Python,
-// whose checks say what is wrong.
-py::object call(int op, py::handle group, double scalar, const py::sequence& items) {
-  std::vector<at::Tensor> args;
-  args.reserve(items.size());
-  for (const auto& item : items) {
-    if (!THPVariable_Check(item.ptr())) return py::none();
-    args.push_back(THPVariable_Unpack(item.ptr()));
+bool is_plain_tensor(PyObject* item) {  // Tensor or Parameter: no subclass, fake or wrapper
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(item));
+  return type == torch_.tensor_type || type == torch_.parameter_type;
+}
+
+// An int result of `self.name()`, or -1 where it failed (an error then set).
+int64_t int_method(PyObject* self, PyObject* name) {
+  Ref result(PyObject_CallMethodObjArgs(self, name, nullptr));
+  return result.get() == nullptr ? -1 : PyLong_AsLongLong(result.get());
+}
+
+// What a call must be like to take `record`, given its tensors (sizes already matched):
+// dtype, strides, alignment where launched by address, device, no autograd.
+bool matches(const Record& record, PyObject* const* items, bool grad) {
+  std::vector<int64_t> strides;
+  for (size_t i = 0; i < record.inputs.size(); ++i) {
+    const Layout& layout = record.inputs[i];
+    Ref dtype(PyObject_GetAttr(items[i], torch_.dtype));
+    Ref stride(PyObject_CallMethodObjArgs(items[i], torch_.stride, nullptr));
+    if (dtype.get() != layout.dtype || !ints_of(stride.get(), strides)
+        || strides != layout.strides)
+      return false;
+    if (layout.aligned) {
+      int64_t address = int_method(items[i], torch_.data_ptr);
+      if (address <= 0 || address % 16) return false;
+    }
+    if (record.device >= 0) {
+      Ref cuda(PyObject_GetAttr(items[i], torch_.is_cuda));
+      if (cuda.get() != Py_True || int_method(items[i], torch_.get_device) != record.device)
+        return false;
+    }
+    if (grad && Ref(PyObject_GetAttr(items[i], torch_.requires_grad)).get() != Py_False)
+      return false;
   }
-  std::vector<c10::IntArrayRef> shapes;
-  shapes.reserve(args.size());
-  for (const auto& t : args) shapes.push_back(t.sizes());
-  auto found = index.find(key_of(op, group.ptr(), scalar, shapes));
-  if (found == index.end()) return py::none();
-  bool grad = at::GradMode::is_enabled();
+  return true;
+}
+
+// The launch of the first record `args` match, its outputs as a tuple; nullptr where none
+// matches (a Python error may be left: the caller clears it) or, with `failed` set, where
+// the driver refused the launch.
+PyObject* launch_matching(PyObject* const* args, bool& failed) {
+  int op = static_cast<int>(PyLong_AsLong(args[0]));
+  PyObject* group = args[1];
+  double scalar = PyFloat_AsDouble(args[2]);
+  Ref fast(PySequence_Fast(args[3], "tensors"));
+  if (PyErr_Occurred() || fast.get() == nullptr) return nullptr;
+  Py_ssize_t count = PySequence_Fast_GET_SIZE(fast.get());
+  PyObject* const* items = PySequence_Fast_ITEMS(fast.get());
+  std::vector<std::vector<int64_t>> shapes(static_cast<size_t>(count));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (!is_plain_tensor(items[i])) return nullptr;
+    Ref shape(PyObject_GetAttr(items[i], torch_.shape));
+    if (!ints_of(shape.get(), shapes[static_cast<size_t>(i)])) return nullptr;
+  }
+  auto found = index.find(key_of(op, group, scalar, shapes));
+  if (found == index.end()) return nullptr;
+  Ref grad(PyObject_CallNoArgs(torch_.grad_enabled));
+  if (grad.get() == nullptr) return nullptr;
   for (const Record* record : found->second) {
-    if (record->op != op || record->group != group.ptr() || record->scalar != scalar
-        || record->inputs.size() != args.size())
-      continue;
-    bool ok = true;
-    for (size_t i = 0; ok && i < args.size(); ++i)
-      ok = matches(record->inputs[i], args[i]) && !(grad && args[i].requires_grad())
-           && (record->device < 0 || (args[i].is_cuda() && args[i].get_device() == record->device));
-    if (!ok) continue;
+    bool same = record->op == op && record->group == group && record->scalar == scalar
+                && record->inputs.size() == shapes.size();
+    for (size_t i = 0; same && i < shapes.size(); ++i) same = shapes[i] == record->inputs[i].sizes;
+    same = same && matches(*record, items, grad.get() == Py_True);
+    if (PyErr_Occurred()) return nullptr;
+    if (!same) continue;
     void* stream = nullptr;
     if (record->device >= 0) {
-#ifdef EXPRESS_WITH_CUDA
-      if (c10::cuda::current_device() != record->device) return py::none();
-      stream = c10::cuda::getCurrentCUDAStream(record->device).stream();
-#else
-      return py::none();
-#endif
+      if (torch_.current_stream == Py_None) return nullptr;
+      Ref current(PyObject_CallNoArgs(torch_.current_device));
+      if (current.get() == nullptr || PyLong_AsLong(current.get()) != record->device)
+        return nullptr;
+      PyObject* device[] = {current.get()};
+      Ref raw(PyObject_Vectorcall(torch_.current_stream, device, 1, nullptr));
+      if (raw.get() == nullptr) return nullptr;
+      stream = PyLong_AsVoidPtr(raw.get());
     }
-    std::vector<at::Tensor> outputs;
+    std::vector<Ref> outputs;
     outputs.reserve(record->outputs.size());
-    for (const auto& [sizes, dtype] : record->outputs)
-      outputs.push_back(at::empty(sizes, args[0].options().dtype(dtype)));
+    for (const Output& spec : record->outputs) {
+      PyObject* empty_args[] = {spec.sizes, spec.dtype, spec.device};
+      outputs.emplace_back(spec.like_first
+                               ? PyObject_Vectorcall(torch_.empty_like, items, 1, nullptr)
+                               : PyObject_Vectorcall(torch_.empty, empty_args, 1,
+                                                     torch_.empty_kwnames));
+      if (outputs.back().get() == nullptr) return nullptr;  // out of memory: Python raises it
+    }
     std::vector<uint64_t> cells = record->cells;
     for (const auto& [cell, tensor] : record->slots) {
-      const at::Tensor& t = tensor < static_cast<int>(args.size())
-                                ? args[tensor] : outputs[tensor - args.size()];
-      cells[cell] = reinterpret_cast<uint64_t>(t.data_ptr());
+      PyObject* t = tensor < count ? items[tensor] : outputs[tensor - count].get();
+      int64_t address = int_method(t, torch_.data_ptr);
+      if (address < 0) return nullptr;
+      cells[cell] = static_cast<uint64_t>(address);
     }
     std::vector<void*> params(cells.size());
     for (size_t i = 0; i < cells.size(); ++i) params[i] = &cells[i];
     int status = launcher(reinterpret_cast<void*>(record->function), record->grid[0],
                           record->grid[1], record->grid[2], record->threads, 1, 1,
                           record->shared, stream, params.data(), nullptr);
-    if (status != 0)
-      throw std::runtime_error("infini_dist express launch: cuLaunchKernel returned " +
-                               std::to_string(status));
+    if (status != 0) {
+      failed = true;
+      PyErr_SetString(PyExc_RuntimeError, ("infini_dist express launch: cuLaunchKernel returned "
+                                           + std::to_string(status)).c_str());
+      return nullptr;
+    }
     ++hits;
-    py::tuple result(record->returned.size());
-    for (size_t i = 0; i < record->returned.size(); ++i)
-      result[i] = py::cast(outputs[record->returned[i]]);
-    return std::move(result);
+    PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(record->returned.size()));
+    for (size_t i = 0; result != nullptr && i < record->returned.size(); ++i)
+      PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i),
+                       Py_NewRef(outputs[static_cast<size_t>(record->returned[i])].get()));
+    failed = result == nullptr;
+    return result;
   }
-  return py::none();
+  return nullptr;
+}
+
+// call(op, group, scalar, tensors): the recorded launch's outputs as a tuple, or None where no
+// record matches (anything but plain tensors leaves the call to Python, whose checks say what
+// is wrong).
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  bool failed = false;
+  PyObject* result = nargs == 4 && torch_.empty != nullptr ? launch_matching(args, failed)
+                                                           : nullptr;
+  if (result != nullptr || failed) return result;
+  PyErr_Clear();
+  Py_RETURN_NONE;
 }
 
 // Sizes of the kernel's parameters as the driver reports them (cuFuncGetParamInfo), or an
 // empty list where the driver cannot tell.
-std::vector<int64_t> param_sizes(uint64_t function) {
+PyObject* param_sizes(PyObject*, PyObject* function) {
+  uint64_t handle = PyLong_AsUnsignedLongLong(function);
+  if (PyErr_Occurred()) return nullptr;
   auto info = reinterpret_cast<ParamInfoFn>(driver_symbol("cuFuncGetParamInfo"));
-  std::vector<int64_t> sizes;
-  if (info == nullptr) return sizes;
+  PyObject* sizes = PyList_New(0);
+  if (sizes == nullptr || info == nullptr) return sizes;
   for (size_t i = 0;; ++i) {
     size_t offset = 0, size = 0;
-    if (info(reinterpret_cast<void*>(function), i, &offset, &size) != 0) break;
-    sizes.push_back(static_cast<int64_t>(size));
+    if (info(reinterpret_cast<void*>(handle), i, &offset, &size) != 0) break;
+    Ref value(PyLong_FromSize_t(size));
+    if (value.get() == nullptr || PyList_Append(sizes, value.get()) != 0) {
+      Py_DECREF(sizes);
+      return nullptr;
+    }
   }
   return sizes;
 }
 
-void add(int op, py::object group, py::object keep, double scalar, int device,
-         const std::vector<at::Tensor>& inputs, const std::vector<bool>& aligned,
-         const std::vector<at::Tensor>& outputs, const std::vector<int>& returned,
-         uint64_t function, const std::vector<int64_t>& grid, int64_t threads, int64_t shared,
-         const std::vector<uint64_t>& cells, const std::vector<std::pair<int, int>>& slots) {
-  if (launcher == nullptr) launcher = reinterpret_cast<LaunchFn>(driver_symbol("cuLaunchKernel"));
-  if (launcher == nullptr) throw std::runtime_error("infini_dist express: no cuLaunchKernel");
-  auto record = std::make_unique<Record>();
-  record->op = op;
-  record->group = group.release().ptr();
-  record->keep = keep.release().ptr();
-  record->scalar = scalar;
-  record->device = device;
-  for (size_t i = 0; i < inputs.size(); ++i)
-    record->inputs.push_back({inputs[i].sizes().vec(), inputs[i].strides().vec(),
-                              inputs[i].scalar_type(), static_cast<bool>(aligned.at(i))});
-  for (const auto& t : outputs) record->outputs.emplace_back(t.sizes().vec(), t.scalar_type());
-  record->returned = returned;
-  record->function = function;
-  for (int i = 0; i < 3; ++i) record->grid[i] = static_cast<unsigned>(grid.at(i));
-  record->threads = static_cast<unsigned>(threads);
-  record->shared = static_cast<unsigned>(shared);
-  record->cells = cells;
-  record->slots = slots;
-  std::vector<c10::IntArrayRef> shapes;
-  for (const auto& layout : record->inputs) shapes.push_back(layout.sizes);
-  index[key_of(op, record->group, scalar, shapes)].push_back(record.get());
-  records.push_back(std::move(record));
+void release(Record& record) {  // with the GIL held: the references a record keeps
+  Py_XDECREF(record.group);
+  Py_XDECREF(record.keep);
+  for (auto& layout : record.inputs) Py_XDECREF(layout.dtype);
+  for (auto& output : record.outputs) {
+    Py_XDECREF(output.sizes);
+    Py_XDECREF(output.dtype);
+    Py_XDECREF(output.device);
+  }
 }
 
-void clear() {  // with the GIL held, from Python: the groups' references are dropped here
-  for (auto& record : records) {
-    Py_XDECREF(record->group);
-    Py_XDECREF(record->keep);
+// Parses one (sizes, strides, dtype, aligned) input or (sizes, dtype, device, like_first)
+// output into `record`, taking references.
+bool add_tensor(Record& record, PyObject* item, bool input) {
+  PyObject *sizes, *second, *third;
+  int flag;
+  if (!PyArg_ParseTuple(item, "O!OOp", &PyTuple_Type, &sizes, &second, &third, &flag))
+    return false;
+  if (!input) {
+    record.outputs.push_back({Py_NewRef(sizes), Py_NewRef(second), Py_NewRef(third), flag != 0});
+    return true;
   }
+  Layout layout{{}, {}, third, flag != 0};
+  if (!ints_of(sizes, layout.sizes) || !ints_of(second, layout.strides)) {
+    PyErr_SetString(PyExc_ValueError, "an input's sizes and strides must be tuples of ints");
+    return false;
+  }
+  Py_INCREF(third);
+  record.inputs.push_back(std::move(layout));
+  return true;
+}
+
+template <typename T>
+std::vector<T> vector_of(const char* bytes, Py_ssize_t length) {
+  std::vector<T> values(static_cast<size_t>(length) / sizeof(T));
+  if (!values.empty()) std::memcpy(values.data(), bytes, values.size() * sizeof(T));
+  return values;
+}
+
+// add(op, group, keep, scalar, device, inputs, outputs, returned, function, grid, threads,
+//     shared, cells, slots), from express.add: inputs as (sizes, strides, dtype, aligned),
+// outputs as (sizes, dtype, device, like the first input), grid as 3 ints; returned (int32),
+// cells (uint64) and slots ((cell, tensor) int32 pairs) as packed native-order bytes.
+PyObject* add(PyObject*, PyObject* args) {
+  auto record = std::make_unique<Record>();
+  PyObject *inputs, *outputs;
+  const char *returned, *cells, *slots;
+  Py_ssize_t returned_n, cells_n, slots_n;
+  unsigned long long function;
+  if (!PyArg_ParseTuple(args, "iOOdiO!O!y#K(III)IIy#y#", &record->op, &record->group,
+                        &record->keep, &record->scalar, &record->device, &PyList_Type, &inputs,
+                        &PyList_Type, &outputs, &returned, &returned_n, &function,
+                        &record->grid[0], &record->grid[1], &record->grid[2], &record->threads,
+                        &record->shared, &cells, &cells_n, &slots, &slots_n))
+    return nullptr;
+  if (launcher == nullptr) launcher = reinterpret_cast<LaunchFn>(driver_symbol("cuLaunchKernel"));
+  if (launcher == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "infini_dist express: no cuLaunchKernel");
+    return nullptr;
+  }
+  Py_INCREF(record->group);
+  Py_INCREF(record->keep);
+  record->function = function;
+  record->returned = vector_of<int>(returned, returned_n);
+  record->cells = vector_of<uint64_t>(cells, cells_n);
+  auto flat = vector_of<int>(slots, slots_n);
+  for (size_t i = 0; i + 1 < flat.size(); i += 2) record->slots.emplace_back(flat[i], flat[i + 1]);
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(inputs); ++i)
+    ok = add_tensor(*record, PyList_GET_ITEM(inputs, i), true);
+  for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(outputs); ++i)
+    ok = add_tensor(*record, PyList_GET_ITEM(outputs, i), false);
+  size_t tensors = record->inputs.size() + record->outputs.size();
+  for (const auto& [cell, tensor] : record->slots)  // express.add checks these too
+    if (ok && (cell < 0 || static_cast<size_t>(cell) >= record->cells.size() || tensor < 0
+               || static_cast<size_t>(tensor) >= tensors)) {
+      PyErr_SetString(PyExc_ValueError, "slots: a cell or tensor out of range");
+      ok = false;
+    }
+  for (int index : record->returned)
+    if (ok && (index < 0 || static_cast<size_t>(index) >= record->outputs.size())) {
+      PyErr_SetString(PyExc_ValueError, "returned: an index out of range");
+      ok = false;
+    }
+  if (!ok) {
+    release(*record);
+    return nullptr;
+  }
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& layout : record->inputs) shapes.push_back(layout.sizes);
+  index[key_of(record->op, record->group, record->scalar, shapes)].push_back(record.get());
+  records.push_back(std::move(record));
+  Py_RETURN_NONE;
+}
+
+PyObject* clear(PyObject*, PyObject*) {
+  for (auto& record : records) release(*record);
   index.clear();
   records.clear();
+  Py_RETURN_NONE;
 }
+
+PyObject* bind(PyObject*, PyObject* args) {
+  PyObject *tensor_type, *parameter_type, *empty, *empty_like, *grad_enabled, *current_device,
+      *current_stream;
+  if (!PyArg_ParseTuple(args, "OOOOOOO", &tensor_type, &parameter_type, &empty, &empty_like,
+                        &grad_enabled, &current_device, &current_stream))
+    return nullptr;
+  PyObject** slots[] = {&torch_.tensor_type, &torch_.parameter_type, &torch_.empty,
+                        &torch_.empty_like, &torch_.grad_enabled, &torch_.current_device,
+                        &torch_.current_stream};
+  PyObject* values[] = {tensor_type, parameter_type, empty, empty_like, grad_enabled,
+                        current_device, current_stream};
+  for (size_t i = 0; i < 7; ++i) {
+    Py_INCREF(values[i]);
+    Py_XSETREF(*slots[i], values[i]);
+  }
+  if (torch_.empty_kwnames == nullptr) {
+    torch_.empty_kwnames = Py_BuildValue("(ss)", "dtype", "device");
+    const char* names[] = {"shape", "dtype", "stride", "data_ptr", "get_device",
+                           "requires_grad", "is_cuda"};
+    PyObject** interned[] = {&torch_.shape, &torch_.dtype, &torch_.stride, &torch_.data_ptr,
+                             &torch_.get_device, &torch_.requires_grad, &torch_.is_cuda};
+    for (size_t i = 0; i < 7; ++i) *interned[i] = PyUnicode_InternFromString(names[i]);
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(records.size()); }
+
+PyObject* hit_count(PyObject*, PyObject*) { return PyLong_FromLongLong(hits); }
+
+PyObject* set_launcher(PyObject*, PyObject* address) {
+  void* pointer = PyLong_AsVoidPtr(address);
+  if (PyErr_Occurred()) return nullptr;
+  launcher = reinterpret_cast<LaunchFn>(pointer);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)), METH_FASTCALL,
+     "call(op, group, scalar, tensors): the outputs of a recorded launch, or None"},
+    {"add", add, METH_VARARGS, "record one committed launch (kernels/express.py's add)"},
+    {"clear", clear, METH_NOARGS, "forget every record"},
+    {"bind", bind, METH_VARARGS, "torch's types and callables the table uses"},
+    {"size", size, METH_NOARGS, "how many records"},
+    {"hits", hit_count, METH_NOARGS, "calls launched from here"},
+    {"param_sizes", param_sizes, METH_O, "a kernel's parameter sizes, from the driver"},
+    {"set_launcher", set_launcher, METH_O, "the launch function's address (tests)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define EXPRESS_STR2(x) #x
+#define EXPRESS_STR(x) EXPRESS_STR2(x)
+PyModuleDef definition = {PyModuleDef_HEAD_INIT, EXPRESS_STR(TORCH_EXTENSION_NAME), nullptr, -1,
+                          methods, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("call", &call);
-  m.def("add", &add);
-  m.def("clear", &clear);
-  m.def("size", [] { return records.size(); });
-  m.def("hits", [] { return hits; });
-  m.def("param_sizes", &param_sizes);
-  m.def("set_launcher", [](uint64_t address) { launcher = reinterpret_cast<LaunchFn>(address); });
-}
+#define EXPRESS_INIT2(name) PyInit_##name
+#define EXPRESS_INIT(name) EXPRESS_INIT2(name)
+PyMODINIT_FUNC EXPRESS_INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&definition); }

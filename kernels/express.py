@@ -18,12 +18,16 @@ Anything else (the interpreter, hooks, scratch, clusters, another Triton) makes 
 the Python path stays. The module is compiled once per machine (torch.utils.cpp_extension, in
 a background thread, so no rank stalls a collective on the compiler; `infini-dist build` does
 it ahead of time); until it is ready, or where it cannot be built, there simply are no records.
+It includes only Python.h (it reads tensors through their attributes, and `bind` hands it
+torch's types and callables), so that compile takes about a second, not the 11-14 s that ATen's
+and pybind11's headers cost: a fresh machine's eager calls take the Python path only that long.
 Builders take an flock, which dies with its holder, so a killed build never blocks a later one
 (torch's own lock file, which a killed builder leaves behind, would make the next wait forever).
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import fcntl
 import inspect
@@ -46,17 +50,16 @@ _state = {"module": None, "thread": None, "error": None, "cleared": 0}
 _lock = threading.Lock()
 
 
-def build_directory(cuda: bool) -> str:
-    """Where the module is built: one folder per Python, torch and variant, so a machine's
-    builds for other versions never collide (INFINI_DIST_EXPRESS_DIR moves the root)."""
+NAME = "infini_dist_express"
+
+
+def build_directory() -> str:
+    """Where the module is built: one folder per Python and torch, so a machine's builds for
+    other versions never collide (INFINI_DIST_EXPRESS_DIR moves the root)."""
     root = os.environ.get("INFINI_DIST_EXPRESS_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "infini_dist", "express")
     version = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}"
-    return os.path.join(root, version.replace("+", "_"), _name(cuda))
-
-
-def _name(cuda: bool) -> str:
-    return "infini_dist_express_" + ("cuda" if cuda else "cpu")
+    return os.path.join(root, version.replace("+", "_"), NAME)
 
 
 @contextlib.contextmanager
@@ -88,26 +91,29 @@ def _build_lock(directory: str, timeout_s: float):
 
 
 def cuda_here() -> bool:
-    """Whether this machine builds (and serves) the CUDA variant of the module."""
+    """Whether this machine serves eager calls from the module (CUDA tensors)."""
     return torch.version.cuda is not None and torch.cuda.is_available()
 
 
-def build(cuda: bool | None = None, timeout_s: float | None = None):
-    """Build (or load the cached build of) the C++ module in this thread and return it.
-    Raises where it cannot be built here (no compiler, no headers, another builder holding
-    the lock past `timeout_s`)."""
+def build(timeout_s: float | None = None):
+    """Build (or load the cached build of) the C++ module in this thread and return it, bound
+    to torch. Raises where it cannot be built here (no compiler, no Python headers, another
+    builder holding the lock past `timeout_s`)."""
     from torch.utils import cpp_extension
-    if cuda is None:
-        cuda = cuda_here()
-    directory = build_directory(cuda)
+    directory = build_directory()
     with _build_lock(directory, BUILD_TIMEOUT_S if timeout_s is None else timeout_s):
-        return cpp_extension.load(
-            name=_name(cuda), sources=[os.path.join(os.path.dirname(__file__), "express.cpp")],
-            extra_cflags=["-O2"] + (["-DEXPRESS_WITH_CUDA"] if cuda else []), with_cuda=cuda,
-            build_directory=directory, verbose=False)
+        built = cpp_extension.load(
+            name=NAME, sources=[os.path.join(os.path.dirname(__file__), "express.cpp")],
+            extra_cflags=["-O2"], with_cuda=False, build_directory=directory, verbose=False)
+    device = getattr(torch._C, "_cuda_getDevice", None)
+    stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    cuda = device is not None and stream is not None
+    built.bind(torch.Tensor, torch.nn.Parameter, torch.empty, torch.empty_like,
+               torch.is_grad_enabled, device if cuda else None, stream if cuda else None)
+    return built
 
 
-def start(cuda: bool | None = None, wait: bool = False):
+def start(wait: bool = False):
     """Build (or load the cached build of) the C++ module in a background thread, once;
     `wait`: block until it is done. Returns the module, or None while it is not ready or
     where it cannot be built (then one warning says why, and the Python path serves)."""
@@ -116,7 +122,7 @@ def start(cuda: bool | None = None, wait: bool = False):
         if state["thread"] is None:
             def run():
                 try:
-                    state["module"] = build(cuda)
+                    state["module"] = build()
                 except Exception as error:  # no compiler, no headers, a lock held too long
                     state["error"] = error
                     log.warning("infini_dist: the eager ops take the Python path: their C++ "
@@ -244,7 +250,21 @@ def add(op: int, group, scalar: float, device: int, inputs: list, outputs: list,
     built = _state["module"]
     if built is None or built.size() >= MAX_RECORDS:
         return False
-    built.add(op, group, keep, float(scalar), device, inputs, aligned, outputs, returned,
-              record["function"], record["grid"], record["threads"], record["shared"],
-              record["cells"], record["slots"])
+    if len(record["grid"]) != 3:
+        raise ValueError(f"grid: 3 ints, got {record['grid']!r}")
+    count = len(inputs) + len(outputs)
+    for cell, tensor in record["slots"]:
+        if not (0 <= cell < len(record["cells"]) and 0 <= tensor < count):
+            raise ValueError(f"slots: cell {cell} or tensor {tensor} out of range")
+    if any(not 0 <= index < len(outputs) for index in returned):
+        raise ValueError(f"returned: an index out of range in {returned!r}")
+    layouts = [(tuple(t.shape), tuple(t.stride()), t.dtype, bool(a))
+               for t, a in zip(inputs, aligned, strict=True)]
+    first = inputs[0]
+    made = [(tuple(t.shape), t.dtype, t.device, first.is_contiguous() and t.shape == first.shape
+             and t.dtype is first.dtype and t.device == first.device) for t in outputs]
+    built.add(op, group, keep, float(scalar), device, layouts, made,
+              array.array("i", returned).tobytes(), record["function"], tuple(record["grid"]),
+              record["threads"], record["shared"], array.array("Q", record["cells"]).tobytes(),
+              array.array("i", [i for pair in record["slots"] for i in pair]).tobytes())
     return True

@@ -131,7 +131,10 @@ def build(setup: Setup, device: torch.device, out: str, compiled: bool = True):
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.llama3 import parallelize_llama
     dims, parallelism = parallel_dims(setup, device)
-    compile_config = CompileConfig(enable=compiled, enable_async_tensor_parallel=setup.async_tp)
+    # torchtitan's async TP is a compile pass (it refuses it without compile): the eager
+    # reference runs plain TP
+    compile_config = CompileConfig(enable=compiled,
+                                   enable_async_tensor_parallel=setup.async_tp and compiled)
     with torch.device("meta"):
         model = llama3_config(setup).build()
     model = parallelize_llama(model, parallel_dims=dims, parallelism=parallelism,

@@ -165,10 +165,10 @@ def test_build_makes_the_cpp_module_without_a_rank(started, capsys, monkeypatch)
     and one line saying why."""
     from infini_dist.kernels import express
     calls = []
-    built = SimpleNamespace(__name__="infini_dist_express_cpu", __file__="/cache/express.so")
+    built = SimpleNamespace(__name__="infini_dist_express", __file__="/cache/express.so")
     monkeypatch.setattr(express, "build", lambda: calls.append(1) or built)
     assert cli.main(["build"]) == 0 and calls == [1] and started == []
-    assert "infini_dist_express_cpu ready in" in capsys.readouterr().out
+    assert "infini_dist_express ready in" in capsys.readouterr().out
 
     def broken():
         raise TimeoutError("another process held the build lock")

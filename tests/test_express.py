@@ -38,7 +38,7 @@ def _stand_in(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
 
 @pytest.fixture(scope="module")
 def table():
-    built = express.start(cuda=False, wait=True)
+    built = express.start(wait=True)
     if built is None:
         pytest.skip(f"the C++ table cannot be built here: {express._state['error']}")
     built.set_launcher(ctypes.cast(_stand_in, ctypes.c_void_p).value)
@@ -217,3 +217,45 @@ def test_many_records_each_match_only_their_own_layout(table):
         torch.testing.assert_close(out, 2 * y + 1, rtol=0, atol=0)
     assert table.call(3, group, 0.5, [torch.randn(301, 8), weight]) is None
     assert table.call(3, group, 0.25, [torch.randn(7, 8), weight]) is None
+
+
+def test_only_plain_tensors_on_the_recorded_device_match(table):
+    # The table reads tensors through their Python attributes: a subclass (a fake, functional
+    # or DTensor wrapper is one) could answer them differently, so only Tensor and Parameter
+    # are taken; a record for a CUDA device never takes CPU tensors.
+    class Tagged(torch.Tensor):
+        pass
+
+    table.clear()
+    group = object()
+    x, weight = torch.randn(4, 8), torch.randn(8)
+    _record(table, group, x, weight)
+    y = torch.randn(4, 8)
+    assert table.call(3, group, 0.5, [y.as_subclass(Tagged), weight]) is None
+    (out,) = table.call(3, group, 0.5, [y, torch.nn.Parameter(weight, requires_grad=False)])
+    torch.testing.assert_close(out, 2 * y + 1, rtol=0, atol=0)
+    assert type(out) is torch.Tensor
+    cells = [0, weight.data_ptr(), 0, x.numel(), 0]
+    assert express.add(3, group, 0.75, 0, [x, weight], [torch.empty_like(x)], [0],
+                       dict(function=77, grid=[5, 1, 1], threads=128, shared=0, cells=cells,
+                            slots=[(0, 0), (2, 2)]), [True, False])
+    assert table.call(3, group, 0.75, [y, weight]) is None
+
+
+def test_a_malformed_record_is_refused_with_a_clear_error_and_kept_out(table):
+    table.clear()
+    group = object()
+    x, weight = torch.randn(4, 8), torch.randn(8)
+    good = dict(function=77, grid=[5, 1, 1], threads=128, shared=0, cells=[0, 0, 0, 32, 0],
+                slots=[(0, 0), (2, 2)])
+    for bad, message in ((dict(slots=[(9, 0)]), "out of range"),
+                         (dict(slots=[(0, 7)]), "out of range"),
+                         (dict(grid=[5, 1]), "grid")):
+        with pytest.raises(ValueError, match=message):
+            express.add(3, group, 0.5, -1, [x, weight], [torch.empty_like(x)], [0],
+                        {**good, **bad}, [True, False])
+    with pytest.raises(ValueError, match="returned"):
+        express.add(3, group, 0.5, -1, [x, weight], [torch.empty_like(x)], [1], good,
+                    [True, False])
+    assert table.size() == 0
+    assert table.call(3, group, 0.5, [x, weight]) is None

@@ -1,7 +1,7 @@
 """Building the eager ops' C++ module (kernels/express.py) can never block a user: a builder
 that was killed leaves torch's lock file behind, and the next build must not wait on it; a
 lock held too long by a live process ends in the Python path with one warning, never a hang.
-The CPU variant is built for real (the same code path as the CUDA one)."""
+The module is built for real (one module serves CPU tests and GPUs)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _build_in_thread(wait_s: float, **kwargs):
 
     def run():
         try:
-            result["module"] = express.build(cuda=False, **kwargs)
+            result["module"] = express.build(**kwargs)
         except Exception as error:
             result["error"] = error
     thread = threading.Thread(target=run, daemon=True)
@@ -57,7 +57,7 @@ def _build_in_thread(wait_s: float, **kwargs):
 def test_a_killed_builder_does_not_block_the_next_build():
     # the machine's own build folder: its cached build (test_express.py's) loads in seconds;
     # the holder takes the lock like any builder, so it waits for one in progress
-    directory = express.build_directory(False)
+    directory = express.build_directory()
     holder = _holder(directory)
     holder.send_signal(signal.SIGKILL)  # killed mid-build: torch's `lock` file stays behind
     holder.wait()
@@ -73,7 +73,7 @@ def test_a_killed_builder_does_not_block_the_next_build():
 def test_a_lock_held_too_long_means_the_python_path_with_one_warning(tmp_path, monkeypatch,
                                                                       caplog):
     monkeypatch.setenv("INFINI_DIST_EXPRESS_DIR", str(tmp_path / "express"))
-    holder = _holder(express.build_directory(False))
+    holder = _holder(express.build_directory())
     try:
         started = time.monotonic()
         result = _build_in_thread(30, timeout_s=1.0)
@@ -84,7 +84,7 @@ def test_a_lock_held_too_long_means_the_python_path_with_one_warning(tmp_path, m
                                                 "cleared": 0})
         monkeypatch.setattr(express, "BUILD_TIMEOUT_S", 1.0)
         with caplog.at_level(logging.WARNING, logger="infini_dist"):
-            assert express.start(cuda=False, wait=True) is None
+            assert express.start(wait=True) is None
         warnings = [r for r in caplog.records if "Python path" in r.getMessage()]
         assert len(warnings) == 1 and "TimeoutError" in warnings[0].getMessage()
         assert express.module() is None
@@ -94,8 +94,9 @@ def test_a_lock_held_too_long_means_the_python_path_with_one_warning(tmp_path, m
 
 
 def test_the_build_starts_when_the_eager_ops_are_imported_on_a_cuda_machine(monkeypatch):
-    """A fresh machine's build (~11 s) starts at `import infini_dist.ops` where it will serve, so
-    a job's setup hides it; never on a machine without CUDA or with the flag off."""
+    """A fresh machine's build (about a second) starts at `import infini_dist.ops` where it
+    will serve, so a job's setup hides it; never on a machine without CUDA or with the flag
+    off."""
     import torch
 
     import infini_dist
