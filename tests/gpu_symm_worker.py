@@ -56,6 +56,17 @@ def compiled(algorithm, pattern, shape, dtype, ctx):
     return graph, algorithm.compile(span, meta, ctx)
 
 
+def largest_supported(algorithm, pattern, shape, dtype, ctx, floor=1024):
+    """`shape`, its tokens halved until `algorithm` takes it, never below `floor`: a buffer
+    that grows with the world size (one-shot's W slots) caps the tokens lower on more ranks."""
+    tokens, hidden = shape
+    graph = build(pattern)
+    while tokens > floor and not algorithm.supports(
+            full_span(graph), meta_of(graph, (tokens, hidden), dtype), ctx):
+        tokens //= 2
+    return tokens, hidden
+
+
 def inputs_for(graph, shape, dtype, call, world_size, rank, device):
     everyone = [make_inputs(graph, shape, dtype, r, call) for r in range(world_size)]
     return everyone, {n: t.to(device) for n, t in everyone[rank].items()}
@@ -196,9 +207,10 @@ def main():
         check_mixed_grids(algorithm, ctx)
         check_callable(algorithm, ctx)
     for algorithm in algorithms:
-        if algorithm.name in big:
-            check_eager(algorithm, "add_rms_norm", big[algorithm.name], torch.bfloat16, ctx)
-            check_eager(algorithm, TRAIN, big[algorithm.name], torch.bfloat16, ctx)
+        for pattern in ("add_rms_norm", TRAIN) if algorithm.name in big else ():
+            shape = largest_supported(algorithm, pattern, big[algorithm.name], torch.bfloat16,
+                                      ctx)
+            check_eager(algorithm, pattern, shape, torch.bfloat16, ctx)
     if args.only in (None, "engine"):
         check_engine(ctx)
     two_shot = registered["two_shot"]
