@@ -123,18 +123,22 @@ def parallel_dims(setup: Setup, device: torch.device):
     return dims, parallelism
 
 
+def compile_config_of(setup: Setup, compiled: bool):
+    """torchtitan's CompileConfig for a variant. Its async TP is a compile pass, which its
+    parallelize refuses without compile: the eager reference runs plain TP."""
+    from torchtitan.config import CompileConfig
+    return CompileConfig(enable=compiled, enable_async_tensor_parallel=setup.async_tp and compiled)
+
+
 def build(setup: Setup, device: torch.device, out: str, compiled: bool = True):
     """(model, loss_fn) as torchtitan's trainer builds them: meta init,
     parallelize_llama (TP, then its apply_compile unless not `compiled`, then FSDP2 at degree
     1), materialized."""
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.config import TrainingConfig
     from torchtitan.models.llama3 import parallelize_llama
     dims, parallelism = parallel_dims(setup, device)
-    # torchtitan's async TP is a compile pass (it refuses it without compile): the eager
-    # reference runs plain TP
-    compile_config = CompileConfig(enable=compiled,
-                                   enable_async_tensor_parallel=setup.async_tp and compiled)
+    compile_config = compile_config_of(setup, compiled)
     with torch.device("meta"):
         model = llama3_config(setup).build()
     model = parallelize_llama(model, parallel_dims=dims, parallelism=parallelism,

@@ -109,6 +109,20 @@ def test_arguments():
 
 
 @pytest.mark.timeout(60)
+def test_async_tp_goes_to_the_compiled_variants_only():
+    # torchtitan's parallelize refuses async TP without compile ("Async TP requires 'model' in
+    # --compile.components and --compile.enable"): the eager reference of an --async-tp run
+    # (2xH100, session 16) failed so before this.
+    setup = bench_torchtitan.parse_args(["--async-tp"]).setup
+    compiled = bench_torchtitan.compile_config_of(setup, compiled=True)
+    assert compiled.enable and compiled.enable_async_tensor_parallel
+    eager = bench_torchtitan.compile_config_of(setup, compiled=False)
+    assert not eager.enable and not eager.enable_async_tensor_parallel
+    plain = bench_torchtitan.compile_config_of(bench_torchtitan.parse_args([]).setup, True)
+    assert plain.enable and not plain.enable_async_tensor_parallel
+
+
+@pytest.mark.timeout(60)
 def test_bf16_check_allows_twice_eagers_difference_and_no_more():
     noise = {"loss_rel_diff": 1e-5, "grad_rel_diff": 1.5e-2}
     limits = bench_torchtitan.allowed(2e-2, noise)
