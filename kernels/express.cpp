@@ -5,9 +5,10 @@
 //
 // It includes no torch header: torch's types and the few callables it needs (torch.empty, the
 // grad mode, the current device and stream) are handed over once (express.build calls bind),
-// and tensors are read through their Python attributes. Compiling against ATen and pybind11 took 11-14 s,
-// the window in which a fresh machine's eager calls paid the Python path's host cost; this
-// compiles in about a second, and a tensor's attributes cost well under a microsecond each.
+// and tensors are read through their Python attributes. Compiling against ATen's and
+// pybind11's headers took 11-14 s, the window in which a fresh machine's eager calls paid the
+// Python path's host cost; this compiles in about a second, and a tensor's attributes cost
+// well under a microsecond each.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -35,34 +36,20 @@ void* driver_symbol(const char* name) {
 LaunchFn launcher = nullptr;  // cuLaunchKernel unless a test set another
 
 // A new reference, released when it goes out of scope.
-struct Ref {
-  PyObject* p = nullptr;
-  Ref() = default;
-  explicit Ref(PyObject* o) : p(o) {}
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
-  Ref(Ref&& o) noexcept : p(o.p) { o.p = nullptr; }
-  ~Ref() { Py_XDECREF(p); }
-  PyObject* get() const { return p; }
+struct Decref {
+  void operator()(PyObject* p) const { Py_XDECREF(p); }
 };
+using Ref = std::unique_ptr<PyObject, Decref>;
 
-struct Torch {  // from express.bind; strong references held for the module's life
-  PyObject* tensor_type = nullptr;
-  PyObject* parameter_type = nullptr;
-  PyObject* empty = nullptr;           // torch.empty
-  PyObject* empty_like = nullptr;      // torch.empty_like: half torch.empty's cost per call
-  PyObject* grad_enabled = nullptr;    // torch.is_grad_enabled
-  PyObject* current_device = nullptr;  // () -> int, or None without CUDA
-  PyObject* current_stream = nullptr;  // (device) -> the raw stream as an int, or None
-  PyObject* empty_kwnames = nullptr;   // ("dtype", "device")
-  PyObject* shape = nullptr;           // interned attribute and method names
-  PyObject* dtype = nullptr;
-  PyObject* stride = nullptr;
-  PyObject* data_ptr = nullptr;
-  PyObject* get_device = nullptr;
-  PyObject* requires_grad = nullptr;
-  PyObject* is_cuda = nullptr;
-} torch_;
+struct Torch {
+  // From bind, held for the module's life: torch.Tensor, nn.Parameter, torch.empty,
+  // torch.empty_like (half torch.empty's cost per call), torch.is_grad_enabled, and the
+  // current device () -> int and raw stream (device) -> int, both None without CUDA.
+  PyObject *tensor_type, *parameter_type, *empty, *empty_like, *grad_enabled, *current_device,
+      *current_stream;
+  PyObject* empty_kwnames;  // ("dtype", "device")
+  PyObject *shape, *dtype, *stride, *data_ptr, *get_device, *requires_grad, *is_cuda;  // interned
+} torch_{};
 
 struct Layout {  // what a tensor argument must be like
   std::vector<int64_t> sizes, strides;
@@ -140,10 +127,9 @@ bool matches(const Record& record, PyObject* const* items, bool grad) {
   for (size_t i = 0; i < record.inputs.size(); ++i) {
     const Layout& layout = record.inputs[i];
     Ref dtype(PyObject_GetAttr(items[i], torch_.dtype));
+    if (dtype.get() != layout.dtype) return false;
     Ref stride(PyObject_CallMethodObjArgs(items[i], torch_.stride, nullptr));
-    if (dtype.get() != layout.dtype || !ints_of(stride.get(), strides)
-        || strides != layout.strides)
-      return false;
+    if (!ints_of(stride.get(), strides) || strides != layout.strides) return false;
     if (layout.aligned) {
       int64_t address = int_method(items[i], torch_.data_ptr);
       if (address <= 0 || address % 16) return false;
@@ -166,8 +152,9 @@ PyObject* launch_matching(PyObject* const* args, bool& failed) {
   int op = static_cast<int>(PyLong_AsLong(args[0]));
   PyObject* group = args[1];
   double scalar = PyFloat_AsDouble(args[2]);
+  if (PyErr_Occurred()) return nullptr;
   Ref fast(PySequence_Fast(args[3], "tensors"));
-  if (PyErr_Occurred() || fast.get() == nullptr) return nullptr;
+  if (fast.get() == nullptr) return nullptr;
   Py_ssize_t count = PySequence_Fast_GET_SIZE(fast.get());
   PyObject* const* items = PySequence_Fast_ITEMS(fast.get());
   std::vector<std::vector<int64_t>> shapes(static_cast<size_t>(count));
@@ -197,6 +184,7 @@ PyObject* launch_matching(PyObject* const* args, bool& failed) {
       Ref raw(PyObject_Vectorcall(torch_.current_stream, device, 1, nullptr));
       if (raw.get() == nullptr) return nullptr;
       stream = PyLong_AsVoidPtr(raw.get());
+      if (PyErr_Occurred()) return nullptr;
     }
     std::vector<Ref> outputs;
     outputs.reserve(record->outputs.size());
@@ -372,20 +360,14 @@ PyObject* clear(PyObject*, PyObject*) {
 }
 
 PyObject* bind(PyObject*, PyObject* args) {
-  PyObject *tensor_type, *parameter_type, *empty, *empty_like, *grad_enabled, *current_device,
-      *current_stream;
-  if (!PyArg_ParseTuple(args, "OOOOOOO", &tensor_type, &parameter_type, &empty, &empty_like,
-                        &grad_enabled, &current_device, &current_stream))
+  PyObject* given[7];
+  if (!PyArg_ParseTuple(args, "OOOOOOO", &given[0], &given[1], &given[2], &given[3], &given[4],
+                        &given[5], &given[6]))
     return nullptr;
-  PyObject** slots[] = {&torch_.tensor_type, &torch_.parameter_type, &torch_.empty,
-                        &torch_.empty_like, &torch_.grad_enabled, &torch_.current_device,
-                        &torch_.current_stream};
-  PyObject* values[] = {tensor_type, parameter_type, empty, empty_like, grad_enabled,
-                        current_device, current_stream};
-  for (size_t i = 0; i < 7; ++i) {
-    Py_INCREF(values[i]);
-    Py_XSETREF(*slots[i], values[i]);
-  }
+  PyObject** kept[] = {&torch_.tensor_type, &torch_.parameter_type, &torch_.empty,
+                       &torch_.empty_like, &torch_.grad_enabled, &torch_.current_device,
+                       &torch_.current_stream};
+  for (size_t i = 0; i < 7; ++i) Py_XSETREF(*kept[i], Py_NewRef(given[i]));
   if (torch_.empty_kwnames == nullptr) {
     torch_.empty_kwnames = Py_BuildValue("(ss)", "dtype", "device");
     const char* names[] = {"shape", "dtype", "stride", "data_ptr", "get_device",

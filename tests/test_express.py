@@ -259,3 +259,14 @@ def test_a_malformed_record_is_refused_with_a_clear_error_and_kept_out(table):
                     [True, False])
     assert table.size() == 0
     assert table.call(3, group, 0.5, [x, weight]) is None
+
+
+def test_calls_it_cannot_read_take_the_python_path_and_leave_no_error(table):
+    table.clear()
+    group = object()
+    x, weight = torch.randn(4, 8), torch.randn(8)
+    _record(table, group, x, weight)
+    for args in ((3, group, "0.5", [x, weight]), (3, group, 0.5, 5), ("3", group, 0.5, [x]),
+                 (3, group, 0.5, (x, weight), "extra"), (3, group, 0.5, [x.to_sparse(), weight])):
+        assert table.call(*args) is None, args
+    assert table.call(3, group, 0.5, (x, weight)) is not None  # a tuple serves as a list does
