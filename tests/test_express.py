@@ -55,6 +55,15 @@ def _record(table, group, x, weight, scalar=0.5, aligned=(True, False)):
                             cells=cells, slots=[(0, 0), (2, 2)]), list(aligned))
 
 
+def _fresh(table):
+    """The table emptied, then one record: (its group, x, weight)."""
+    table.clear()
+    group = object()
+    x, weight = torch.randn(4, 8), torch.randn(8)
+    _record(table, group, x, weight)
+    return group, x, weight
+
+
 def test_a_recorded_call_launches_from_cpp_with_the_recorded_parameters(table):
     table.clear()
     group = object()
@@ -80,10 +89,7 @@ def test_a_recorded_call_launches_from_cpp_with_the_recorded_parameters(table):
 
 
 def test_only_the_recorded_op_group_scalar_and_layouts_match(table):
-    table.clear()
-    group = object()
-    x, weight = torch.randn(4, 8), torch.randn(8)
-    _record(table, group, x, weight)
+    group, x, weight = _fresh(table)
     other = torch.randn(4, 8)
     assert table.call(3, group, 0.5, [other, weight]) is not None
     assert table.call(4, group, 0.5, [other, weight]) is None          # another op
@@ -106,10 +112,7 @@ def test_only_the_recorded_op_group_scalar_and_layouts_match(table):
 
 
 def test_calls_autograd_must_see_take_the_python_path(table):
-    table.clear()
-    group = object()
-    x, weight = torch.randn(4, 8), torch.randn(8)
-    _record(table, group, x, weight)
+    group, x, weight = _fresh(table)
     wants = torch.randn(4, 8, requires_grad=True)
     assert table.call(3, group, 0.5, [wants, weight]) is None
     with torch.no_grad():
@@ -226,10 +229,7 @@ def test_only_plain_tensors_on_the_recorded_device_match(table):
     class Tagged(torch.Tensor):
         pass
 
-    table.clear()
-    group = object()
-    x, weight = torch.randn(4, 8), torch.randn(8)
-    _record(table, group, x, weight)
+    group, x, weight = _fresh(table)
     y = torch.randn(4, 8)
     assert table.call(3, group, 0.5, [y.as_subclass(Tagged), weight]) is None
     (out,) = table.call(3, group, 0.5, [y, torch.nn.Parameter(weight, requires_grad=False)])
@@ -262,10 +262,7 @@ def test_a_malformed_record_is_refused_with_a_clear_error_and_kept_out(table):
 
 
 def test_calls_it_cannot_read_take_the_python_path_and_leave_no_error(table):
-    table.clear()
-    group = object()
-    x, weight = torch.randn(4, 8), torch.randn(8)
-    _record(table, group, x, weight)
+    group, x, weight = _fresh(table)
     for args in ((3, group, "0.5", [x, weight]), (3, group, 0.5, 5), ("3", group, 0.5, [x]),
                  (3, group, 0.5, (x, weight), "extra"), (3, group, 0.5, [x.to_sparse(), weight])):
         assert table.call(*args) is None, args
