@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -40,7 +41,7 @@ EXPECTED = {
 LOSS_SITES = {"all_reduce"}
 
 
-def run_smoke(tmp_path, steps: int, timeout: float) -> dict:
+def run_smoke(tmp_path, steps: int, timeout: float, rounds: int = 1) -> dict:
     out = tmp_path / "out"
     env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"),
                INFINI_DIST_BENCHMARK_REPS="2", INFINI_DIST_BENCHMARK_WARMUP="1",
@@ -49,12 +50,13 @@ def run_smoke(tmp_path, steps: int, timeout: float) -> dict:
     run = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
                        "--nproc-per-node=2", "-m", "infini_dist.launch.bench_torchtitan",
                        "--cpu-smoke", "--steps", str(steps), "--warmup", "1", "--sp", "on,off",
+                       "--rounds", str(rounds),
                        "--out", str(out)], env=env, timeout=timeout, cwd=str(tmp_path))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return json.loads((out / "results.json").read_text())
 
 
-def check(data: dict, steps: int) -> None:
+def check(data: dict, steps: int, rounds: int = 1) -> None:
     assert data["meta"]["world_size"] == 2 and data["meta"]["setup"]["dtype"] == "float32"
     assert data["meta"]["ok"]
     rows = {(r["sp"], r["variant"]): r for r in data["rows"]}
@@ -80,11 +82,15 @@ def check(data: dict, steps: int) -> None:
         assert ("reduce_scatter_tensor" in collectives) and ("all_gather_into_tensor" in
                                                              collectives)
         assert ours["decided"], "the sites that ran committed a choice"
+        for row in (base, ours):  # the pair trained `rounds` times, step ms their median
+            assert len(row["rounds_ms"]) == rounds and all(t > 0 for t in row["rounds_ms"])
+            assert row["step_ms"] == pytest.approx(statistics.median(row["rounds_ms"]))
+        assert ours["speed"] == bench_torchtitan.verdict(base["rounds_ms"], ours["rounds_ms"])
 
 
 @pytest.mark.timeout(400)
 def test_torchtitan_llama3_tp_with_the_pass_trains_as_plain_compile(tmp_path):
-    check(run_smoke(tmp_path, steps=5, timeout=380), steps=5)
+    check(run_smoke(tmp_path, steps=5, timeout=380, rounds=2), steps=5, rounds=2)
 
 
 @pytest.mark.slow
@@ -98,14 +104,23 @@ def test_fifty_steps(tmp_path):
 def test_arguments():
     parse = bench_torchtitan.parse_args
     args = parse(["--cpu-smoke", "--sp", "off"])
+    assert args.rounds == 1 and parse(["--rounds", "3"]).rounds == 3
     assert args.sp == ["off"] and args.setup.dim == 64 and args.setup.dtype == "float32"
     gpu = parse(["--seq", "8192", "--layers", "4"])
     assert (gpu.setup.seq, gpu.setup.layers, gpu.setup.dtype) == (8192, 4, "bfloat16")
     assert gpu.sp == ["on", "off"] and gpu.steps == 50
     for bad in (["--steps", "3", "--warmup", "3"], ["--heads", "3", "--kv-heads", "3"],
-                ["--sp", "sideways"]):
+                ["--sp", "sideways"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             parse(bad)
+
+
+@pytest.mark.timeout(60)
+def test_the_speed_verdict_needs_every_round_apart():
+    verdict = bench_torchtitan.verdict
+    assert verdict([61.9, 61.0, 62.4], [60.7, 60.2, 60.9]) == "faster in every round"
+    assert verdict([58.3, 61.0], [59.0, 60.2]) == "within the rounds' spread"
+    assert verdict([58.3], [59.0]) == "slower in every round"
 
 
 @pytest.mark.timeout(60)
