@@ -7,7 +7,7 @@
 // grad mode, the current device and stream) are handed over once (express.build calls bind),
 // and tensors are read through their Python attributes. Compiling against ATen's and
 // pybind11's headers took 11-14 s, the window in which a fresh machine's eager calls paid the
-// Python path's host cost; this compiles in about a second, and a tensor's attributes cost
+// Python path's host cost; this compiles in about 2 s, and a tensor's attributes cost
 // well under a microsecond each.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

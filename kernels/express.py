@@ -19,8 +19,8 @@ the Python path stays. The module is compiled once per machine (torch.utils.cpp_
 a background thread, so no rank stalls a collective on the compiler; `infini-dist build` does
 it ahead of time); until it is ready, or where it cannot be built, there simply are no records.
 It includes only Python.h (it reads tensors through their attributes, and `bind` hands it
-torch's types and callables), so that compile takes about a second, not the 11-14 s that ATen's
-and pybind11's headers cost: a fresh machine's eager calls take the Python path only that long.
+torch's types and callables), so that compile takes about 2 s, not the 11-14 s that ATen's and
+pybind11's headers cost: a fresh machine's eager calls take the Python path only that long.
 Builders take an flock, which dies with its holder, so a killed build never blocks a later one
 (torch's own lock file, which a killed builder leaves behind, would make the next wait forever).
 """

@@ -64,9 +64,10 @@ class Entry:
 def start_early(settings) -> None:
     """Where the table will serve (the flag on, CUDA here), begin building it now: called when
     the eager ops are imported, so that a job's setup (the process group, the model's load)
-    hides a fresh machine's build (about a second: the module includes only Python.h) and the
-    first calls find the table ready. The build is a background thread's, its cached result loads in a second, and a process that
-    exits while it runs leaves no lock behind (express._build_lock)."""
+    hides a fresh machine's build (about 2 s: the module includes only Python.h) and the
+    first calls find the table ready. The build is a background thread's, its cached result
+    loads in a second, and a process that exits while it runs leaves no lock behind
+    (express._build_lock)."""
     if settings.express_ops and express.cuda_here():
         express.start()
 

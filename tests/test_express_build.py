@@ -94,7 +94,7 @@ def test_a_lock_held_too_long_means_the_python_path_with_one_warning(tmp_path, m
 
 
 def test_the_build_starts_when_the_eager_ops_are_imported_on_a_cuda_machine(monkeypatch):
-    """A fresh machine's build (about a second) starts at `import infini_dist.ops` where it
+    """A fresh machine's build (about 2 s) starts at `import infini_dist.ops` where it
     will serve, so a job's setup hides it; never on a machine without CUDA or with the flag
     off."""
     import torch
