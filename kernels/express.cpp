@@ -53,23 +53,24 @@ struct Torch {
 
 struct Layout {  // what a tensor argument must be like
   std::vector<int64_t> sizes, strides;
-  PyObject* dtype;  // a torch.dtype (one object per dtype), held
-  bool aligned;     // its address is a kernel argument: 16-byte aligned, like Triton's
+  Ref dtype;     // a torch.dtype (one object per dtype)
+  bool aligned;  // its address is a kernel argument: 16-byte aligned, like Triton's
 };
 
 struct Output {  // what each call allocates: torch.empty(sizes, dtype=, device=)
-  PyObject* sizes;
-  PyObject* dtype;
-  PyObject* device;
+  Ref sizes, dtype, device;
   bool like_first;  // the same as torch.empty_like(the first input), which is contiguous
 };
 
+// Its references are dropped with it, with the GIL held: by clear(), or by the call that
+// launched it last (a call holds its record while torch.empty lets go of the GIL, and another
+// thread's clear() may drop the table's hold then; `keep` keeps its buffers and kernel alive).
 struct Record {
   int op;
-  PyObject* group;  // matched by identity; a reference held until clear()
-  PyObject* keep;   // what owns the launch's buffers and kernel: alive while recorded
+  Ref group;  // matched by identity
+  Ref keep;   // what owns the launch's buffers and kernel
   double scalar;
-  int device;       // -1: any (CPU tests)
+  int device;  // -1: any (CPU tests)
   std::vector<Layout> inputs;
   std::vector<Output> outputs;
   std::vector<int> returned;  // indices into outputs, in the op's order
@@ -79,10 +80,12 @@ struct Record {
   std::vector<std::pair<int, int>> slots;   // (cell, tensor: inputs, then outputs)
 };
 
-std::vector<std::unique_ptr<Record>> records;
+size_t recorded = 0;
 // Records by the hash of what a call is matched on first (op, group, scalar, input sizes), so
-// that a serving job's hundreds of token counts cost one lookup, not a scan.
-std::unordered_map<uint64_t, std::vector<Record*>> index;
+// that a serving job's hundreds of token counts cost one lookup, not a scan. Never destroyed:
+// at exit the interpreter is gone before static destructors run, and dropping a reference
+// then aborts the process.
+auto& index = *new std::unordered_map<uint64_t, std::vector<std::shared_ptr<Record>>>();
 int64_t hits = 0;  // calls launched from here: what tests and benchmarks check
 
 uint64_t mix(uint64_t seed, uint64_t value) {
@@ -127,7 +130,7 @@ bool matches(const Record& record, PyObject* const* items, bool grad) {
   for (size_t i = 0; i < record.inputs.size(); ++i) {
     const Layout& layout = record.inputs[i];
     Ref dtype(PyObject_GetAttr(items[i], torch_.dtype));
-    if (dtype.get() != layout.dtype) return false;
+    if (dtype.get() != layout.dtype.get()) return false;
     Ref stride(PyObject_CallMethodObjArgs(items[i], torch_.stride, nullptr));
     if (!ints_of(stride.get(), strides) || strides != layout.strides) return false;
     if (layout.aligned) {
@@ -143,6 +146,46 @@ bool matches(const Record& record, PyObject* const* items, bool grad) {
       return false;
   }
   return true;
+}
+
+// The outputs of `record`'s kernel launched on `items` and fresh outputs, as a tuple.
+PyObject* launch(const Record& record, PyObject* const* items, Py_ssize_t count, void* stream,
+                 bool& failed) {
+  std::vector<Ref> outputs;
+  outputs.reserve(record.outputs.size());
+  for (const Output& spec : record.outputs) {
+    PyObject* empty_args[] = {spec.sizes.get(), spec.dtype.get(), spec.device.get()};
+    outputs.emplace_back(spec.like_first
+                             ? PyObject_Vectorcall(torch_.empty_like, items, 1, nullptr)
+                             : PyObject_Vectorcall(torch_.empty, empty_args, 1,
+                                                   torch_.empty_kwnames));
+    if (outputs.back().get() == nullptr) return nullptr;  // out of memory: Python raises it
+  }
+  std::vector<uint64_t> cells = record.cells;
+  for (const auto& [cell, tensor] : record.slots) {
+    PyObject* t = tensor < count ? items[tensor] : outputs[tensor - count].get();
+    int64_t address = int_method(t, torch_.data_ptr);
+    if (address < 0) return nullptr;
+    cells[cell] = static_cast<uint64_t>(address);
+  }
+  std::vector<void*> params(cells.size());
+  for (size_t i = 0; i < cells.size(); ++i) params[i] = &cells[i];
+  int status = launcher(reinterpret_cast<void*>(record.function), record.grid[0],
+                        record.grid[1], record.grid[2], record.threads, 1, 1, record.shared,
+                        stream, params.data(), nullptr);
+  if (status != 0) {
+    failed = true;
+    PyErr_SetString(PyExc_RuntimeError, ("infini_dist express launch: cuLaunchKernel returned "
+                                         + std::to_string(status)).c_str());
+    return nullptr;
+  }
+  ++hits;
+  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(record.returned.size()));
+  for (size_t i = 0; result != nullptr && i < record.returned.size(); ++i)
+    PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i),
+                     Py_NewRef(outputs[static_cast<size_t>(record.returned[i])].get()));
+  failed = result == nullptr;
+  return result;
 }
 
 // The launch of the first record `args` match, its outputs as a tuple; nullptr where none
@@ -167,8 +210,8 @@ PyObject* launch_matching(PyObject* const* args, bool& failed) {
   if (found == index.end()) return nullptr;
   Ref grad(PyObject_CallNoArgs(torch_.grad_enabled));
   if (grad.get() == nullptr) return nullptr;
-  for (const Record* record : found->second) {
-    bool same = record->op == op && record->group == group && record->scalar == scalar
+  for (std::shared_ptr<Record> record : found->second) {  // held through the launch
+    bool same = record->op == op && record->group.get() == group && record->scalar == scalar
                 && record->inputs.size() == shapes.size();
     for (size_t i = 0; same && i < shapes.size(); ++i) same = shapes[i] == record->inputs[i].sizes;
     same = same && matches(*record, items, grad.get() == Py_True);
@@ -186,41 +229,7 @@ PyObject* launch_matching(PyObject* const* args, bool& failed) {
       stream = PyLong_AsVoidPtr(raw.get());
       if (PyErr_Occurred()) return nullptr;
     }
-    std::vector<Ref> outputs;
-    outputs.reserve(record->outputs.size());
-    for (const Output& spec : record->outputs) {
-      PyObject* empty_args[] = {spec.sizes, spec.dtype, spec.device};
-      outputs.emplace_back(spec.like_first
-                               ? PyObject_Vectorcall(torch_.empty_like, items, 1, nullptr)
-                               : PyObject_Vectorcall(torch_.empty, empty_args, 1,
-                                                     torch_.empty_kwnames));
-      if (outputs.back().get() == nullptr) return nullptr;  // out of memory: Python raises it
-    }
-    std::vector<uint64_t> cells = record->cells;
-    for (const auto& [cell, tensor] : record->slots) {
-      PyObject* t = tensor < count ? items[tensor] : outputs[tensor - count].get();
-      int64_t address = int_method(t, torch_.data_ptr);
-      if (address < 0) return nullptr;
-      cells[cell] = static_cast<uint64_t>(address);
-    }
-    std::vector<void*> params(cells.size());
-    for (size_t i = 0; i < cells.size(); ++i) params[i] = &cells[i];
-    int status = launcher(reinterpret_cast<void*>(record->function), record->grid[0],
-                          record->grid[1], record->grid[2], record->threads, 1, 1,
-                          record->shared, stream, params.data(), nullptr);
-    if (status != 0) {
-      failed = true;
-      PyErr_SetString(PyExc_RuntimeError, ("infini_dist express launch: cuLaunchKernel returned "
-                                           + std::to_string(status)).c_str());
-      return nullptr;
-    }
-    ++hits;
-    PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(record->returned.size()));
-    for (size_t i = 0; result != nullptr && i < record->returned.size(); ++i)
-      PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i),
-                       Py_NewRef(outputs[static_cast<size_t>(record->returned[i])].get()));
-    failed = result == nullptr;
-    return result;
+    return launch(*record, items, count, stream, failed);
   }
   return nullptr;
 }
@@ -257,17 +266,6 @@ PyObject* param_sizes(PyObject*, PyObject* function) {
   return sizes;
 }
 
-void release(Record& record) {  // with the GIL held: the references a record keeps
-  Py_XDECREF(record.group);
-  Py_XDECREF(record.keep);
-  for (auto& layout : record.inputs) Py_XDECREF(layout.dtype);
-  for (auto& output : record.outputs) {
-    Py_XDECREF(output.sizes);
-    Py_XDECREF(output.dtype);
-    Py_XDECREF(output.device);
-  }
-}
-
 // Parses one (sizes, strides, dtype, aligned) input or (sizes, dtype, device, like_first)
 // output into `record`, taking references.
 bool add_tensor(Record& record, PyObject* item, bool input) {
@@ -276,15 +274,15 @@ bool add_tensor(Record& record, PyObject* item, bool input) {
   if (!PyArg_ParseTuple(item, "O!OOp", &PyTuple_Type, &sizes, &second, &third, &flag))
     return false;
   if (!input) {
-    record.outputs.push_back({Py_NewRef(sizes), Py_NewRef(second), Py_NewRef(third), flag != 0});
+    record.outputs.push_back(
+        {Ref(Py_NewRef(sizes)), Ref(Py_NewRef(second)), Ref(Py_NewRef(third)), flag != 0});
     return true;
   }
-  Layout layout{{}, {}, third, flag != 0};
+  Layout layout{{}, {}, Ref(Py_NewRef(third)), flag != 0};
   if (!ints_of(sizes, layout.sizes) || !ints_of(second, layout.strides)) {
     PyErr_SetString(PyExc_ValueError, "an input's sizes and strides must be tuples of ints");
     return false;
   }
-  Py_INCREF(third);
   record.inputs.push_back(std::move(layout));
   return true;
 }
@@ -301,24 +299,24 @@ std::vector<T> vector_of(const char* bytes, Py_ssize_t length) {
 // outputs as (sizes, dtype, device, like the first input), grid as 3 ints; returned (int32),
 // cells (uint64) and slots ((cell, tensor) int32 pairs) as packed native-order bytes.
 PyObject* add(PyObject*, PyObject* args) {
-  auto record = std::make_unique<Record>();
-  PyObject *inputs, *outputs;
+  auto record = std::make_shared<Record>();
+  PyObject *group, *keep, *inputs, *outputs;
   const char *returned, *cells, *slots;
   Py_ssize_t returned_n, cells_n, slots_n;
   unsigned long long function;
-  if (!PyArg_ParseTuple(args, "iOOdiO!O!y#K(III)IIy#y#", &record->op, &record->group,
-                        &record->keep, &record->scalar, &record->device, &PyList_Type, &inputs,
-                        &PyList_Type, &outputs, &returned, &returned_n, &function,
-                        &record->grid[0], &record->grid[1], &record->grid[2], &record->threads,
-                        &record->shared, &cells, &cells_n, &slots, &slots_n))
+  if (!PyArg_ParseTuple(args, "iOOdiO!O!y#K(III)IIy#y#", &record->op, &group, &keep,
+                        &record->scalar, &record->device, &PyList_Type, &inputs, &PyList_Type,
+                        &outputs, &returned, &returned_n, &function, &record->grid[0],
+                        &record->grid[1], &record->grid[2], &record->threads, &record->shared,
+                        &cells, &cells_n, &slots, &slots_n))
     return nullptr;
   if (launcher == nullptr) launcher = reinterpret_cast<LaunchFn>(driver_symbol("cuLaunchKernel"));
   if (launcher == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "infini_dist express: no cuLaunchKernel");
     return nullptr;
   }
-  Py_INCREF(record->group);
-  Py_INCREF(record->keep);
+  record->group.reset(Py_NewRef(group));
+  record->keep.reset(Py_NewRef(keep));
   record->function = function;
   record->returned = vector_of<int>(returned, returned_n);
   record->cells = vector_of<uint64_t>(cells, cells_n);
@@ -341,21 +339,17 @@ PyObject* add(PyObject*, PyObject* args) {
       PyErr_SetString(PyExc_ValueError, "returned: an index out of range");
       ok = false;
     }
-  if (!ok) {
-    release(*record);
-    return nullptr;
-  }
+  if (!ok) return nullptr;
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& layout : record->inputs) shapes.push_back(layout.sizes);
-  index[key_of(record->op, record->group, record->scalar, shapes)].push_back(record.get());
-  records.push_back(std::move(record));
+  index[key_of(record->op, group, record->scalar, shapes)].push_back(std::move(record));
+  ++recorded;
   Py_RETURN_NONE;
 }
 
 PyObject* clear(PyObject*, PyObject*) {
-  for (auto& record : records) release(*record);
   index.clear();
-  records.clear();
+  recorded = 0;
   Py_RETURN_NONE;
 }
 
@@ -379,7 +373,7 @@ PyObject* bind(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(records.size()); }
+PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(recorded); }
 
 PyObject* hit_count(PyObject*, PyObject*) { return PyLong_FromLongLong(hits); }
 

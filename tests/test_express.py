@@ -267,3 +267,29 @@ def test_calls_it_cannot_read_take_the_python_path_and_leave_no_error(table):
                  (3, group, 0.5, (x, weight), "extra"), (3, group, 0.5, [x.to_sparse(), weight])):
         assert table.call(*args) is None, args
     assert table.call(3, group, 0.5, (x, weight)) is not None  # a tuple serves as a list does
+
+
+_EXIT_WITH_RECORDS = """
+import ctypes, torch
+from infini_dist.kernels import express
+built = express.start(wait=True)
+built.set_launcher(ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value)  # 0: done
+group, x, weight = object(), torch.randn(4, 8), torch.randn(8)
+assert express.add(3, group, 0.5, -1, [x, weight], [torch.empty_like(x)], [0],
+                   dict(function=1, grid=[1, 1, 1], threads=32, shared=0,
+                        cells=[0, weight.data_ptr(), 0, 32, 0], slots=[(0, 0), (2, 2)]),
+                   [True, False])
+assert built.call(3, group, 0.5, [x, weight]) is not None
+print("recorded and launched", flush=True)
+"""
+
+
+def test_a_process_with_records_exits_cleanly(table):
+    # The records hold Python references; C++ must not drop them after the interpreter is gone
+    # (a static table's destructor at exit aborted the process: "PyThreadState_Get").
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _EXIT_WITH_RECORDS], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0 and "recorded and launched" in done.stdout, done.stderr[-2000:]
+    assert "Fatal Python error" not in done.stderr
