@@ -328,7 +328,7 @@ PyObject* add(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(outputs); ++i)
     ok = add_tensor(*record, PyList_GET_ITEM(outputs, i), false);
   size_t tensors = record->inputs.size() + record->outputs.size();
-  for (const auto& [cell, tensor] : record->slots)  // express.add checks these too
+  for (const auto& [cell, tensor] : record->slots)  // what a launch may index
     if (ok && (cell < 0 || static_cast<size_t>(cell) >= record->cells.size() || tensor < 0
                || static_cast<size_t>(tensor) >= tensors)) {
       PyErr_SetString(PyExc_ValueError, "slots: a cell or tensor out of range");
