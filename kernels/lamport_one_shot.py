@@ -25,8 +25,9 @@ from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
-from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half, finish,
-                                             item_range, program_items, push_items)
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half,
+                                             epilogue_operands, finish_loaded, item_range,
+                                             program_items, push_items)
 from infini_dist.kernels.symm_signal import peer_pointer, take
 
 
@@ -35,7 +36,7 @@ def lamport_one_shot_kernel(
         x_ptr, prologue, epilogue, data_table, epoch_ptr, numel, slot_stride, half_stride, rank,
         timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
         BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr, WORLD_SIZE: tl.constexpr,
-        WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+        WS_P2: tl.constexpr, ON_GPU: tl.constexpr, PRELOAD: tl.constexpr):
     pid, programs, first_item, items = program_items(numel, ITEM)
     calls, half = call_half(epoch_ptr, pid, half_stride)
 
@@ -52,9 +53,14 @@ def lamport_one_shot_kernel(
         index, mask = item_range(item, column, numel, ITEM)
         places = local + (sources * slot_stride)[:, None] + index[None, :]
         present = (sources < WORLD_SIZE)[:, None] & mask[None, :]
+        if PRELOAD:  # their latency hides under the wait
+            operands = epilogue_operands(index, column, mask, epilogue, EPILOGUE, epilogue[6])
         values = take(places, present, timeout_ns, rank, ON_GPU)
+        if not PRELOAD:
+            operands = epilogue_operands(index, column, mask, epilogue, EPILOGUE, epilogue[6])
         total = tl.sum(values.to(tl.float32), axis=0)
-        finish(round_to(total, dtype), index, column, mask, epilogue, EPILOGUE, ITEM)
+        finish_loaded(round_to(total, dtype), operands, index, column, mask, epilogue, EPILOGUE,
+                      ITEM)
 
     advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
@@ -68,7 +74,7 @@ def lamport_one_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options)
     # thread (for rows up to 8192).
     if buffer.world_size > 4:
         kwargs["num_warps"] = min(16, 2 * layout.num_warps)
-    kwargs["MAX_PROGRAMS"] = MAX_PROGRAMS
+    kwargs.update(MAX_PROGRAMS=MAX_PROGRAMS, PRELOAD=tuning.preload)
     return lamport_one_shot_kernel, (layout.grid,), args, kwargs
 
 

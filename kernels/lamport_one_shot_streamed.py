@@ -30,10 +30,11 @@ import triton.language as tl
 from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
-from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
+from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, ROW_SCALE_QUANTS, fused_arguments,
+                                            round_to)
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, apply_prologue,
-                                             call_half, finish, group_items, item_group,
-                                             program_items)
+                                             call_half, epilogue_operands, finish_loaded,
+                                             group_items, item_group, program_items)
 from infini_dist.kernels.symm_signal import never_empty, peer_pointer, take
 
 
@@ -69,7 +70,8 @@ def lamport_one_shot_streamed_kernel(
         x_ptr, prologue, epilogue, data_table, epoch_ptr, numel, slot_stride, half_stride, rank,
         timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
         BLOCK: tl.constexpr, GROUP: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
-        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr,
+        PRELOAD: tl.constexpr):
     pid, programs, first_item, items = program_items(numel, ITEM)
     calls, half = call_half(epoch_ptr, pid, half_stride)
     dtype = x_ptr.dtype.element_ty
@@ -87,10 +89,15 @@ def lamport_one_shot_streamed_kernel(
         index, column, mask = _group_places(start, items, programs, numel, ITEM, BLOCK, GROUP)
         places = local + sources * slot_stride + index[None, :, :]
         present = (sources < WORLD_SIZE) & (sources != rank) & mask[None, :, :]
+        if PRELOAD:  # their latency hides under the wait
+            operands = epilogue_operands(index, column, mask, epilogue, EPILOGUE, epilogue[6])
         values = take(places, present, timeout_ns, rank, ON_GPU)
+        if not PRELOAD:
+            operands = epilogue_operands(index, column, mask, epilogue, EPILOGUE, epilogue[6])
         values = tl.where(sources == rank, mine[None, :, :], values)
         total = tl.sum(values.to(tl.float32), axis=0)
-        finish(round_to(total, dtype), index, column, mask, epilogue, EPILOGUE, ITEM)
+        finish_loaded(round_to(total, dtype), operands, index, column, mask, epilogue, EPILOGUE,
+                      ITEM)
         mine = following
 
     advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
@@ -99,14 +106,24 @@ def lamport_one_shot_streamed_kernel(
 def lamport_one_shot_streamed_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
     layout, head, kwargs = fused_arguments(x, buffer, out, **options)
-    # One item a step unless tuning forces more: on 2 H200s, add_rms_norm x 4096 bf16 at 8192
-    # tokens ran 2-6% faster so than with 2 or 4 (docs/notes_symm.md, session 11). Twice the
-    # layout's warps: 8 and 16 measured the same there, 4 was 45% slower at 8192.
-    group = group_items(triton.cdiv(x.numel(), layout.item), layout.grid, tuning) \
-        if tuning.group_items else 1
+    # Items a step, measured on 2 H100s with add_rms_norm x 4096 bf16 (docs/notes_symm.md,
+    # session 17): two rows a step once a program has 64 rows (8192 tokens: 3% faster), or 32
+    # with a per-row quantizer, whose second row reduction the two rows share (per-token FP8
+    # at 4096 / 8192 tokens: 5% / 9% faster); one below (two were 4-15% slower at 1024 and
+    # 2048). Not past 4 ranks: the polled [W, 2, row] tile would double what a thread holds.
+    # (On 2 H200s, before the operands' preload, one a step was the faster at 8192: session
+    # 11.) Twice the layout's warps: 8 and 16 measured the same there, 4 was 45% slower.
+    rows_a_program = triton.cdiv(x.numel(), layout.item) // layout.grid
+    if tuning.group_items:
+        group = group_items(triton.cdiv(x.numel(), layout.item), layout.grid, tuning)
+    elif buffer.world_size <= 4 and options.get("norm") and rows_a_program >= (
+            32 if options.get("quant") in ROW_SCALE_QUANTS else 64):
+        group = 2
+    else:
+        group = 1
     args = head + (buffer.data_table, buffer.epoch, x.numel(), slot_elements(x.numel()),
                    part_elements(buffer, x.element_size(), 2), buffer.rank, tuning.timeout_ns)
-    kwargs.update(GROUP=group, MAX_PROGRAMS=MAX_PROGRAMS,
+    kwargs.update(GROUP=group, MAX_PROGRAMS=MAX_PROGRAMS, PRELOAD=tuning.preload,
                   num_warps=min(16, 2 * layout.num_warps * group))
     return lamport_one_shot_streamed_kernel, (layout.grid,), args, kwargs
 

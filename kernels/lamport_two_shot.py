@@ -35,7 +35,8 @@ def lamport_two_shot_kernel(
         x_ptr, prologue, epilogue, data_table, epoch_ptr, numel, half_stride, rank, timeout_ns,
         PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
         SUB: tl.constexpr, SUB_BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
-        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr,
+        PRELOAD: tl.constexpr):
     pid, programs, first_item, items = program_items(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
     calls, half = call_half(epoch_ptr, pid, half_stride)
@@ -72,7 +73,7 @@ def lamport_two_shot_kernel(
 
     # Phase 3: the epilogue over whole items of the local gathered copy, each polled.
     finish_items(local, gathered, first_item, items, programs, numel, epilogue, EPILOGUE, ITEM,
-                 BLOCK, 1, True, timeout_ns, rank, ON_GPU)
+                 BLOCK, 1, True, PRELOAD, timeout_ns, rank, ON_GPU)
 
     advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
@@ -91,6 +92,7 @@ def lamport_two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options)
     args = head + (buffer.data_table, buffer.epoch, x.numel(),
                    part_elements(buffer, x.element_size(), 2), buffer.rank, tuning.timeout_ns)
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, MAX_PROGRAMS=MAX_PROGRAMS,
+                  PRELOAD=tuning.preload,
                   # Half the barrier kernel's warps: measured faster at 128 x 4096 bf16 on 4 H200s
                   # (docs/notes_symm.md, session 2).
                   num_warps=max(4, layout.num_warps // 2))

@@ -45,7 +45,8 @@ from infini_dist.kernels.symm_chain import (CODES, MAX_PROGRAMS, ROW_SCALE_QUANT
                                             SCALE_OPERAND_QUANTS, STEPS,
                                             fused_arguments, round_to)
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, apply_prologue,
-                                             call_half, finish_into, push_to_peers)
+                                             call_half, epilogue_operands, finish_into,
+                                             push_to_peers)
 from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
@@ -103,11 +104,13 @@ def one_shot_scatter_gather_kernel(
                 total += tl.load(data + half + source * slot_stride + owner * shard + index,
                                  mask=in_row, other=0.0).to(tl.float32)
             if step == 0:
-                finish_into(round_to(total, dtype), index, column, in_row, epilogue, EPILOGUE,
-                            ROW, out, residual)
+                operands = epilogue_operands(index, column, in_row, epilogue, EPILOGUE, residual)
+                finish_into(round_to(total, dtype), operands, index, column, in_row, epilogue,
+                            EPILOGUE, ROW, out)
             else:
-                finish_into(round_to(total, dtype), index, column, in_row, epilogue, OTHERS,
-                            ROW, out, residual)
+                operands = epilogue_operands(index, column, in_row, epilogue, OTHERS, residual)
+                finish_into(round_to(total, dtype), operands, index, column, in_row, epilogue,
+                            OTHERS, ROW, out)
     advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
 

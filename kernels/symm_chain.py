@@ -5,8 +5,8 @@ is the same encoding for the prologue (applied to the local input as it is pushe
 memory) and for the epilogue (applied to the reduced value). Every op computes in fp32 and
 rounds once to the tensor dtype, which is exactly what the ops' references (kernels/epilogue) do,
 so a fused chain and the unfused graph agree to the last bit wherever the transcendental
-functions agree. Each op's device code is in its spec; `apply_op` and `apply_norm` are generated
-from the specs, one constexpr branch per op.
+functions agree. Each op's device code is in its spec; `apply_op`, `norm_operands` (the norm's
+loads) and `apply_norm` are generated from the specs, one constexpr branch per op.
 
 Unfused equivalent of an epilogue `relu, scale(s)` followed by add_rms_norm:
     y = all_reduce(x); y = relu(y); y = y * s
@@ -115,9 +115,10 @@ _LOADS = {"row": "side_ptr + index",
 
 
 def dispatch_source() -> str:
-    """`apply_op` (a chain step by op code), `apply_norm` (the norm slot by norm code: the
-    normalised row and its rsqrt) and `apply_quant` (the output quantization by quant code),
-    with one constexpr branch per spec'd step, norm and quantizer."""
+    """`apply_op` (a chain step by op code), `norm_operands` (the norm slot's weight and bias,
+    as loaded), `apply_norm` (the norm slot by norm code: the normalised row and its rsqrt) and
+    `apply_quant` (the output quantization by quant code), with one constexpr branch per spec'd
+    step, norm and quantizer."""
     lines = ["@triton.jit",
              "def apply_op(x, OP: tl.constexpr, scalar, side_ptr, index, mask, "
              "DTYPE: tl.constexpr):",
@@ -132,15 +133,22 @@ def dispatch_source() -> str:
         lines.append(f"        y = {step.expr}")
     lines += ["    return round_to(y, DTYPE)", "", "",
               "@triton.jit",
-              "def apply_norm(y, column, mask, weight_ptr, bias_ptr, eps, NORM: tl.constexpr, "
+              "def norm_operands(column, mask, weight_ptr, bias_ptr, NORM: tl.constexpr):",
+              "    weight = tl.load(weight_ptr + column, mask=mask, other=0.0)",
+              "    bias = weight  # read by no norm without a bias role"]
+    for spec in _NORMS:
+        if "bias" in spec.symm_norm.roles:
+            lines += [f"    if NORM == {NORM_CODES[spec.name]}:  # {spec.name}",
+                      "        bias = tl.load(bias_ptr + column, mask=mask, other=0.0)"]
+    lines += ["    return weight, bias", "", "",
+              "@triton.jit",
+              "def apply_norm(y, column, mask, weight, bias, eps, NORM: tl.constexpr, "
               "ROW_LEN: tl.constexpr):",
-              "    weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)"]
+              "    weight = weight.to(tl.float32)",
+              "    bias = bias.to(tl.float32)"]
     for i, spec in enumerate(_NORMS):
         lines.append(f"    {'if' if i == 0 else 'elif'} NORM == {NORM_CODES[spec.name]}:"
                      f"  # {spec.name}")
-        if "bias" in spec.symm_norm.roles:
-            lines.append("        bias = tl.load(bias_ptr + column, mask=mask, "
-                         "other=0.0).to(tl.float32)")
         # A norm without an rsqrt returns y in its place: never stored (RSTD_NORMS).
         lines.append(f"        rstd = {spec.symm_norm.rstd or 'y'}")
         lines += [f"        {line}" for line in spec.symm_norm.code.splitlines()]
@@ -171,10 +179,11 @@ def _dispatch():
     namespace = {"__name__": __name__, "triton": triton, "tl": tl, "round_to": round_to,
                  "sigmoid_fp32": sigmoid_fp32}
     exec(compile(source, filename, "exec"), namespace)
-    return namespace["apply_op"], namespace["apply_norm"], namespace["apply_quant"]
+    return (namespace["apply_op"], namespace["norm_operands"], namespace["apply_norm"],
+            namespace["apply_quant"])
 
 
-apply_op, apply_norm, apply_quant = _dispatch()
+apply_op, norm_operands, apply_norm, apply_quant = _dispatch()
 
 
 @triton.jit
@@ -186,15 +195,17 @@ def apply_chain(x, index, mask, OP0: tl.constexpr, scalar0, side0, OP1: tl.const
 
 
 @triton.jit
-def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr, weight_ptr,
-                bias_ptr, residual_ptr, eps, E_OP0: tl.constexpr, e_scalar0, e_side0,
+def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr, residual,
+                weight, bias, eps, E_OP0: tl.constexpr, e_scalar0, e_side0,
                 E_OP1: tl.constexpr, e_scalar1, e_side1, E_OP2: tl.constexpr, e_scalar2, e_side2,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_PRE: tl.constexpr,
                 WRITE_RSTD: tl.constexpr, WRITE_REDUCED: tl.constexpr, ROW_LEN: tl.constexpr,
                 QUANT: tl.constexpr, quant_scale, scales_ptr):
     """Epilogue of one item (a row when NORM != NO_NORM) from its reduced value `y` (fp32, already
-    rounded to the input dtype like the all_reduce output), then its stores. RESIDUAL: the
-    residual is added in fp32 before the norm, and that sum is the value `pre` stores.
+    rounded to the input dtype like the all_reduce output), then its stores. `residual`,
+    `weight` and `bias` are values, loaded already (symm_device.epilogue_operands: a Lamport
+    kernel loads them before its poll). RESIDUAL: the residual is added in fp32 before the
+    norm, and that sum is the value `pre` stores.
     WRITE_RSTD: the norm's fp32 rsqrt per row, at `rstd_ptr` + row (training saves it for
     backward). WRITE_REDUCED: `y` itself too (a training graph may read the all_reduce's value
     beside the norm). QUANT: the value is quantized last (`out` holds the quantizer's dtype,
@@ -209,11 +220,11 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr,
                     E_OP2, e_scalar2, e_side2, dtype)
     if NORM != NO_NORM:
         if RESIDUAL:
-            y = y + tl.load(residual_ptr + index, mask=mask, other=0.0).to(tl.float32)
+            y = y + residual.to(tl.float32)
         if WRITE_PRE:
             tl.store(pre_ptr + index, y.to(dtype), mask=mask)
-        y, rstd = apply_norm(tl.where(mask, y, 0.0), column, mask, weight_ptr, bias_ptr, eps,
-                             NORM, ROW_LEN)
+        y, rstd = apply_norm(tl.where(mask, y, 0.0), column, mask, weight, bias, eps, NORM,
+                             ROW_LEN)
         if WRITE_RSTD:  # one value per row (an item is a row), stored by its first element
             tl.store(rstd_ptr + index // ROW_LEN, tl.broadcast_to(rstd, index.shape),
                      mask=mask & (column == 0))

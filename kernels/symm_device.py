@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from infini_dist.kernels.symm_chain import apply_chain, finish_item, round_to
+from infini_dist.kernels.symm_chain import (NO_NORM, apply_chain, finish_item, norm_operands,
+                                            round_to)
 from infini_dist.kernels.symm_signal import (DEFAULT_TIMEOUT_S, block_barrier, never_empty,
                                              peer_pointer, take)
 
@@ -86,19 +87,42 @@ def apply_prologue(x, index, mask, chain, OPS: tl.constexpr, DTYPE: tl.constexpr
 
 
 @triton.jit
-def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr):
-    """symm_chain.finish_item (the epilogue chain, the norm, the stores) of the reduced `y`."""
-    finish_into(y, index, column, mask, epilogue, OPS, ITEM, epilogue[0], epilogue[6])
+def epilogue_operands(index, column, mask, epilogue, OPS: tl.constexpr, residual_ptr):
+    """The epilogue's reads that need no reduced value: (residual, weight, bias), as loaded.
+    A Lamport kernel issues them before it polls, so that they arrive during the wait rather
+    than one memory round trip after it. Without a norm nothing is read (`index` fills in)."""
+    residual = index
+    weight = index
+    bias = index
+    if OPS[3] != NO_NORM:
+        if OPS[4]:
+            residual = tl.load(residual_ptr + index, mask=mask, other=0.0)
+        weight, bias = norm_operands(column, mask, epilogue[4], epilogue[5], OPS[3])
+    return residual, weight, bias
 
 
 @triton.jit
-def finish_into(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr,
-                out_ptr, residual_ptr):
-    """`finish`, `out` stored and the residual read at other places than the epilogue's: rows
-    of another rank's shard (kernels/one_shot_scatter_gather.py), their side outputs off in
-    OPS."""
+def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr):
+    """symm_chain.finish_item (the epilogue chain, the norm, the stores) of the reduced `y`."""
+    operands = epilogue_operands(index, column, mask, epilogue, OPS, epilogue[6])
+    finish_loaded(y, operands, index, column, mask, epilogue, OPS, ITEM)
+
+
+@triton.jit
+def finish_loaded(y, operands, index, column, mask, epilogue, OPS: tl.constexpr,
+                  ITEM: tl.constexpr):
+    """`finish` with its `epilogue_operands` loaded already."""
+    finish_into(y, operands, index, column, mask, epilogue, OPS, ITEM, epilogue[0])
+
+
+@triton.jit
+def finish_into(y, operands, index, column, mask, epilogue, OPS: tl.constexpr,
+                ITEM: tl.constexpr, out_ptr):
+    """`finish_loaded`, `out` stored at other places than the epilogue's: rows of another
+    rank's shard (kernels/one_shot_scatter_gather.py, whose `operands` hold that shard's
+    residual), their side outputs off in OPS."""
     finish_item(y, index, column, mask, out_ptr, epilogue[1], epilogue[2], epilogue[3],
-                epilogue[4], epilogue[5], residual_ptr, epilogue[7], OPS[0], epilogue[8],
+                operands[0], operands[1], operands[2], epilogue[7], OPS[0], epilogue[8],
                 epilogue[9], OPS[1], epilogue[10], epilogue[11], OPS[2], epilogue[12],
                 epilogue[13], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], ITEM, OPS[8],
                 epilogue[14], epilogue[15])
@@ -209,19 +233,25 @@ def reduce_items(data_table, staging, stage_stride, gathered, rank, first, last,
 @triton.jit
 def finish_items(local, gathered, first, last, programs, numel, epilogue, OPS: tl.constexpr,
                  ITEM: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                 LAMPORT: tl.constexpr, timeout_ns, rank, ON_GPU: tl.constexpr):
+                 LAMPORT: tl.constexpr, PRELOAD: tl.constexpr, timeout_ns, rank,
+                 ON_GPU: tl.constexpr):
     """Phase 3: the epilogue over whole items of the local gathered copy, GROUP at a time.
-    LAMPORT: wait for the items by polling them, and empty them after reading."""
+    LAMPORT: wait for the items by polling them, and empty them after reading; PRELOAD: the
+    epilogue's operands are read before the wait (SymmTuning.preload)."""
     column = tl.arange(0, BLOCK)[None, :]
     for start in range(first, last, programs * GROUP):
         items, valid = item_group(start, last, programs, GROUP)
         index = items[:, None] * ITEM + column
         mask = valid[:, None] & (column < ITEM) & (index < numel)
+        if PRELOAD:
+            operands = epilogue_operands(index, column, mask, epilogue, OPS, epilogue[6])
         if LAMPORT:
             y = take(local + gathered + index, mask, timeout_ns, rank, ON_GPU).to(tl.float32)
         else:
             y = tl.load(local + gathered + index, mask=mask, other=0.0).to(tl.float32)
-        finish(y, index, column, mask, epilogue, OPS, ITEM)
+        if not PRELOAD:
+            operands = epilogue_operands(index, column, mask, epilogue, OPS, epilogue[6])
+        finish_loaded(y, operands, index, column, mask, epilogue, OPS, ITEM)
 
 
 # ---- host side ---------------------------------------------------------------------------------
@@ -231,10 +261,13 @@ class SymmTuning:
     """Launch knobs for experiments, passed to every launch (the engine passes its symm_*
     settings). They shape the launch, so every rank must pass the same. `timeout_s`: a wait past it traps the kernel. `group_items`, `round_items`: n > 0
     forces the two-shot items per step (`group_items`) and per round (two_shot_all_reduce's
-    `round_items`); 0 picks by size."""
+    `round_items`); 0 picks by size. `preload`: the Lamport kernels read the epilogue's
+    operands (residual, norm weight) before they poll for the peers' data, not after; off for
+    comparisons (launch/bench_knobs.py)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     group_items: int = 0
     round_items: int = 0
+    preload: bool = True
 
     def __post_init__(self):
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
@@ -244,6 +277,8 @@ class SymmTuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.preload, bool):
+            raise ValueError(f"preload must be a bool, got {self.preload!r}")
 
     @property
     def timeout_ns(self) -> int:

@@ -66,12 +66,12 @@ def two_shot_all_reduce_kernel(
         reduce_items(data_table, local, stage_stride, gathered, rank, first, last, programs,
                      numel, dtype, ITEM, SUB, SUB_BLOCK, WORLD_SIZE, GROUP, False)
         finish_items(local, gathered, previous_first, previous_last, programs, numel, epilogue,
-                     EPILOGUE, ITEM, BLOCK, GROUP, False, timeout_ns, rank, ON_GPU)
+                     EPILOGUE, ITEM, BLOCK, GROUP, False, False, timeout_ns, rank, ON_GPU)
         block_barrier(signal_table, rank, pid, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
         previous_first = first
         previous_last = last
     finish_items(local, gathered, previous_first, previous_last, programs, numel, epilogue,
-                 EPILOGUE, ITEM, BLOCK, GROUP, False, timeout_ns, rank, ON_GPU)
+                 EPILOGUE, ITEM, BLOCK, GROUP, False, False, timeout_ns, rank, ON_GPU)
 
 
 def two_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,

@@ -40,7 +40,7 @@ def two_shot_polled_gather_kernel(
         gather_offset, rank, timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
         ITEM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, SUB_BLOCK: tl.constexpr,
         GROUP: tl.constexpr, MAX_PROGRAMS: tl.constexpr, WORLD_SIZE: tl.constexpr,
-        WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+        WS_P2: tl.constexpr, ON_GPU: tl.constexpr, PRELOAD: tl.constexpr):
     pid, programs, first_item, items = program_items(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
     calls, half = call_half(epoch_ptr, pid, half_stride)
@@ -63,11 +63,11 @@ def two_shot_polled_gather_kernel(
         reduce_items(data_table, local + half, stage_stride, gathered, rank, first, last,
                      programs, numel, dtype, ITEM, SUB, SUB_BLOCK, WORLD_SIZE, GROUP, True)
         finish_items(local, gathered, previous_first, previous_last, programs, numel, epilogue,
-                     EPILOGUE, ITEM, BLOCK, GROUP, True, timeout_ns, rank, ON_GPU)
+                     EPILOGUE, ITEM, BLOCK, GROUP, True, PRELOAD, timeout_ns, rank, ON_GPU)
         previous_first = first
         previous_last = last
     finish_items(local, gathered, previous_first, previous_last, programs, numel, epilogue,
-                 EPILOGUE, ITEM, BLOCK, GROUP, True, timeout_ns, rank, ON_GPU)
+                 EPILOGUE, ITEM, BLOCK, GROUP, True, PRELOAD, timeout_ns, rank, ON_GPU)
 
     advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 
@@ -90,7 +90,7 @@ def two_shot_polled_gather_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **op
                    part_elements(buffer, x.element_size(), 2),
                    part_elements(buffer, x.element_size(), 4), buffer.rank, tuning.timeout_ns)
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, GROUP=group,
-                  MAX_PROGRAMS=MAX_PROGRAMS,
+                  MAX_PROGRAMS=MAX_PROGRAMS, PRELOAD=tuning.preload,
                   # About 32 elements of a [group, row] tile a thread: on 4 H200s, add_rms_norm
                   # x 4096 bf16 at 8192 tokens ran faster with 16 warps than with 8 (1024
                   # tokens: 8 warps; docs/notes_symm.md, session 2).

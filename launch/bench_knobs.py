@@ -8,6 +8,13 @@ over ranks). For kernel work: the engine does not tune these knobs, the layouts 
 AR + residual add + RMSNorm, bf16, hidden 4096: one_shot_lamport at 1 / 16 / 128 tokens (with
 and without static FP8), two_shot_polled_gather and two_shot at 1024 / 8192 tokens,
 one_shot_lamport_streamed at 1 to 8192 tokens. `--kernels`: only these kernels (by kind).
+
+`--pairs`: instead, A/B pairs of one kernel's knobs, 10 calls a graph as the sweep times them,
+each pair timed twice in alternating order, a summary table last: the two Lamport one-shot
+kernels with the epilogue's operands read after the poll and before it (`SymmTuning(preload=)`,
+with and without per-token FP8), the streamed one with one and two items a step from 1024
+tokens (without FP8, static and per-token), and with its 16 warps or 4 at 1-128 tokens (without
+FP8 and per-token: fewer warps, cheaper row reductions).
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ import torch.distributed as dist
 
 from infini_dist.kernels.lamport_one_shot import lamport_one_shot_all_reduce
 from infini_dist.kernels.lamport_one_shot_streamed import lamport_one_shot_streamed_all_reduce
-from infini_dist.kernels.symm_device import SymmTuning
+from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.kernels.two_shot_polled_gather import two_shot_polled_gather_all_reduce
 from infini_dist.launch.bench import Timer
 from infini_dist.launch.bench_eager import inputs_for
 
 HIDDEN, FP8_SCALE = 4096, 0.05
+PER_TOKEN = ("quant_fp8_per_token",)
 
 
 def cases():
@@ -45,13 +53,34 @@ def cases():
                 yield lamport_one_shot_streamed_all_reduce, tokens, None, group, warps
 
 
-def error_and_agreement(out, x, residual, weight, quant) -> tuple[float, bool]:
+def pairs():
+    """(kernel, tokens, quant, what differs, A, B), each side (tuning, num_warps or None for
+    the launch's)."""
+    streamed, lamport = lamport_one_shot_streamed_all_reduce, lamport_one_shot_all_reduce
+    after, before = (SymmTuning(preload=False), None), (SymmTuning(preload=True), None)
+    for tokens in (1, 16, 128, 1024, 2048, 4096, 8192):
+        for quant in (None, PER_TOKEN):
+            yield streamed, tokens, quant, "preload", after, before
+    for tokens in (1, 16, 128):
+        yield lamport, tokens, None, "preload", after, before
+    for tokens in (1024, 2048, 4096, 8192):
+        for quant in (None, ("quant_fp8", FP8_SCALE), PER_TOKEN):
+            yield streamed, tokens, quant, "items a step", (SymmTuning(group_items=1), None), \
+                (SymmTuning(group_items=2), None)
+    for tokens in (1, 16, 128):
+        for quant in (None, PER_TOKEN):
+            yield streamed, tokens, quant, "warps", (DEFAULT_TUNING, None), (DEFAULT_TUNING, 4)
+
+
+def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, bool]:
     """|out - fp32 reference| max, and whether every rank got the same bits."""
+    out = results[0]
     total = x.float()
     dist.all_reduce(total)
     h = total + residual.float()
     want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
-    got = out.float() * (FP8_SCALE if quant else 1.0)
+    scale = results[1] if quant == PER_TOKEN else FP8_SCALE if quant else 1.0
+    got = out.float() * scale
     bits = out.view(torch.uint8).to(torch.int64)
     checksum = torch.stack([bits.sum(), (bits * torch.arange(bits.numel(), device=bits.device)
                                          .view(bits.shape)).sum()])
@@ -60,13 +89,51 @@ def error_and_agreement(out, x, residual, weight, quant) -> tuple[float, bool]:
     return float((got - want).abs().max()), all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+def pair_sweep(device):
+    timer = Timer(device, 5, 20, graph_calls=10)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print("| kernel | tokens | quant | knob | A or B | µs | max abs error | same bits |\n"
+              "|---|---|---|---|---|---|---|---|")
+    summary = []
+    for kernel, tokens, quant, knob, *sides in pairs():
+        x, residual, weight = inputs_for(tokens, HIDDEN, device)
+        times = ([], [])
+        for side in (0, 1, 1, 0):  # alternating: drift falls on both
+            tuning, warps = sides[side]
+            launch, grid, args, kwargs, results = kernel.bind(
+                x, weight=weight, residual=residual, quant=quant, tuning=tuning)
+            kwargs = kwargs if warps is None else dict(kwargs, num_warps=warps)
+            us = timer.graph(lambda: launch[grid](*args, **kwargs)) * 1e6
+            error, same = error_and_agreement(results, x, residual, weight, quant)
+            times[side].append(us)
+            if rank0:
+                print(f"| {kernel.kind} | {tokens} | {quant[0] if quant else ''} | {knob} | "
+                      f"{'AB'[side]} | {us:.2f} | {error:.3g} | {same} |", flush=True)
+        summary.append((kernel.kind, tokens, quant, knob, *(sum(t) / 2 for t in times)))
+    if rank0:
+        print("\nA / B: preload after / before the poll; items a step 1 / 2; warps the launch's "
+              "/ 4\n"
+              "| kernel | tokens | quant | knob | A µs | B µs | B / A |\n|---|---|---|---|---|---|---|")
+        for kind, tokens, quant, knob, a, b in summary:
+            print(f"| {kind} | {tokens} | {quant[0] if quant else ''} | {knob} | {a:.2f} | "
+                  f"{b:.2f} | {b / a:.3f} |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", help="comma-separated kernel kinds (default: all)")
-    only = parser.parse_args(argv).kernels
+    parser.add_argument("--pairs", action="store_true",
+                        help="the A/B pairs instead (the module's docstring)")
+    options = parser.parse_args(argv)
+    only = options.kernels
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
+    if options.pairs:
+        pair_sweep(device)
+        dist.destroy_process_group()
+        return
     timer = Timer(device, 3, 20)
     if dist.get_rank() == 0:
         print("| kernel | tokens | fp8 | items per step | num_warps | µs | max abs error | "
@@ -81,7 +148,7 @@ def main(argv=None):
         chosen = f"({kwargs['num_warps']})" if warps is None else str(warps)
         kwargs = kwargs if warps is None else dict(kwargs, num_warps=warps)
         us = timer.graph(lambda: launch[grid](*args, **kwargs)) * 1e6
-        error, same = error_and_agreement(results[0], x, residual, weight, quant)
+        error, same = error_and_agreement(results, x, residual, weight, quant)
         if dist.get_rank() == 0:
             print(f"| {kernel.kind} | {tokens} | {'yes' if quant else ''} | "
                   f"{group or '(layout)'} | {chosen} | {us:.2f} | {error:.3g} | {same} |",

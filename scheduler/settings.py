@@ -33,6 +33,7 @@ class Settings:
     symm_timeout_s: float
     symm_group_items: int
     symm_round_items: int
+    symm_preload: bool
     fast_launch: bool
     express_ops: bool
 

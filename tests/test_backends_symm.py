@@ -203,10 +203,12 @@ def test_layout_is_shape_only_and_fits(world_size):
 
 def test_launch_knobs_reach_every_kernel_launch():
     """infini_dist.config's symm_* settings, as the engine passes them (tuning_of), shape the
-    launch: the timeout every kernel is handed, two-shot groups and rounds."""
+    launch: the timeout every kernel is handed, two-shot groups and rounds, the Lamport
+    kernels' preload."""
     from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
     from infini_dist.kernels.symm_device import DEFAULT_TUNING
-    with infini_dist.config.patch(symm_timeout_s=7.5, symm_group_items=3, symm_round_items=5):
+    with infini_dist.config.patch(symm_timeout_s=7.5, symm_group_items=3, symm_round_items=5,
+                                  symm_preload=False):
         tuning = tuning_of(infini_dist.config.snapshot())
     assert tuning_of(None) == DEFAULT_TUNING
     graph, shape = build("add_rms_norm"), (3, 40)
@@ -226,6 +228,8 @@ def test_launch_knobs_reach_every_kernel_launch():
             assert (default_kw["GROUP"], tuned_kw["GROUP"]) == (1, 4), name  # a power of two
         if name == "two_shot":  # its last argument: items per program per round
             assert (default[-1], tuned[-1]) == (1, 5)
+        if algorithm.kernel.lamport:  # the kernels that poll read the epilogue's operands first
+            assert (default_kw["PRELOAD"], tuned_kw["PRELOAD"]) == (True, False), name
 
 
 # ---- every kernel through the registry, interpreted and on GPUs ----------------------------------
