@@ -26,9 +26,9 @@ from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half,
-                                             epilogue_operands, finish_loaded, item_range,
-                                             program_items, push_items)
-from infini_dist.kernels.symm_signal import peer_pointer, take
+                                             finish_loaded, item_range, program_items,
+                                             push_items, take_with_operands)
+from infini_dist.kernels.symm_signal import peer_pointer
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -53,11 +53,8 @@ def lamport_one_shot_kernel(
         index, mask = item_range(item, column, numel, ITEM)
         places = local + (sources * slot_stride)[:, None] + index[None, :]
         present = (sources < WORLD_SIZE)[:, None] & mask[None, :]
-        if PRELOAD:  # their latency hides under the wait
-            operands = epilogue_operands(index, column, mask, epilogue, EPILOGUE, epilogue[6])
-        values = take(places, present, timeout_ns, rank, ON_GPU)
-        if not PRELOAD:
-            operands = epilogue_operands(index, column, mask, epilogue, EPILOGUE, epilogue[6])
+        values, operands = take_with_operands(places, present, timeout_ns, rank, ON_GPU, index,
+                                              column, mask, epilogue, EPILOGUE, PRELOAD)
         total = tl.sum(values.to(tl.float32), axis=0)
         finish_loaded(round_to(total, dtype), operands, index, column, mask, epilogue, EPILOGUE,
                       ITEM)

@@ -33,9 +33,9 @@ from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, ROW_SCALE_QUANTS, fused_arguments,
                                             round_to)
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, apply_prologue,
-                                             call_half, epilogue_operands, finish_loaded,
-                                             group_items, item_group, program_items)
-from infini_dist.kernels.symm_signal import never_empty, peer_pointer, take
+                                             call_half, finish_loaded, group_items, item_group,
+                                             program_items, take_with_operands)
+from infini_dist.kernels.symm_signal import never_empty, peer_pointer
 
 
 @triton.jit
@@ -89,11 +89,8 @@ def lamport_one_shot_streamed_kernel(
         index, column, mask = _group_places(start, items, programs, numel, ITEM, BLOCK, GROUP)
         places = local + sources * slot_stride + index[None, :, :]
         present = (sources < WORLD_SIZE) & (sources != rank) & mask[None, :, :]
-        if PRELOAD:  # their latency hides under the wait
-            operands = epilogue_operands(index, column, mask, epilogue, EPILOGUE, epilogue[6])
-        values = take(places, present, timeout_ns, rank, ON_GPU)
-        if not PRELOAD:
-            operands = epilogue_operands(index, column, mask, epilogue, EPILOGUE, epilogue[6])
+        values, operands = take_with_operands(places, present, timeout_ns, rank, ON_GPU, index,
+                                              column, mask, epilogue, EPILOGUE, PRELOAD)
         values = tl.where(sources == rank, mine[None, :, :], values)
         total = tl.sum(values.to(tl.float32), axis=0)
         finish_loaded(round_to(total, dtype), operands, index, column, mask, epilogue, EPILOGUE,
@@ -113,11 +110,11 @@ def lamport_one_shot_streamed_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, *
     # 2048). Not past 4 ranks: the polled [W, 2, row] tile would double what a thread holds.
     # (On 2 H200s, before the operands' preload, one a step was the faster at 8192: session
     # 11.) Twice the layout's warps: 8 and 16 measured the same there, 4 was 45% slower.
-    rows_a_program = triton.cdiv(x.numel(), layout.item) // layout.grid
+    items = triton.cdiv(x.numel(), layout.item)
     if tuning.group_items:
-        group = group_items(triton.cdiv(x.numel(), layout.item), layout.grid, tuning)
-    elif buffer.world_size <= 4 and options.get("norm") and rows_a_program >= (
-            32 if options.get("quant") in ROW_SCALE_QUANTS else 64):
+        group = group_items(items, layout.grid, tuning)
+    elif buffer.world_size <= 4 and options.get("norm") and items >= (
+            32 if options.get("quant") in ROW_SCALE_QUANTS else 64) * layout.grid:
         group = 2
     else:
         group = 1

@@ -102,6 +102,19 @@ def epilogue_operands(index, column, mask, epilogue, OPS: tl.constexpr, residual
 
 
 @triton.jit
+def take_with_operands(places, present, timeout_ns, rank, ON_GPU: tl.constexpr, index, column,
+                       mask, epilogue, OPS: tl.constexpr, PRELOAD: tl.constexpr):
+    """symm_signal.take of `places`, and the item's `epilogue_operands`: read before the wait
+    where PRELOAD (SymmTuning.preload), so that their latency hides under it, else after it."""
+    if PRELOAD:
+        operands = epilogue_operands(index, column, mask, epilogue, OPS, epilogue[6])
+    values = take(places, present, timeout_ns, rank, ON_GPU)
+    if not PRELOAD:
+        operands = epilogue_operands(index, column, mask, epilogue, OPS, epilogue[6])
+    return values, operands
+
+
+@triton.jit
 def finish(y, index, column, mask, epilogue, OPS: tl.constexpr, ITEM: tl.constexpr):
     """symm_chain.finish_item (the epilogue chain, the norm, the stores) of the reduced `y`."""
     operands = epilogue_operands(index, column, mask, epilogue, OPS, epilogue[6])
@@ -237,21 +250,19 @@ def finish_items(local, gathered, first, last, programs, numel, epilogue, OPS: t
                  ON_GPU: tl.constexpr):
     """Phase 3: the epilogue over whole items of the local gathered copy, GROUP at a time.
     LAMPORT: wait for the items by polling them, and empty them after reading; PRELOAD: the
-    epilogue's operands are read before the wait (SymmTuning.preload)."""
+    epilogue's operands are read before that wait (`take_with_operands`)."""
     column = tl.arange(0, BLOCK)[None, :]
     for start in range(first, last, programs * GROUP):
         items, valid = item_group(start, last, programs, GROUP)
         index = items[:, None] * ITEM + column
         mask = valid[:, None] & (column < ITEM) & (index < numel)
-        if PRELOAD:
-            operands = epilogue_operands(index, column, mask, epilogue, OPS, epilogue[6])
         if LAMPORT:
-            y = take(local + gathered + index, mask, timeout_ns, rank, ON_GPU).to(tl.float32)
+            y, operands = take_with_operands(local + gathered + index, mask, timeout_ns, rank,
+                                             ON_GPU, index, column, mask, epilogue, OPS, PRELOAD)
         else:
-            y = tl.load(local + gathered + index, mask=mask, other=0.0).to(tl.float32)
-        if not PRELOAD:
+            y = tl.load(local + gathered + index, mask=mask, other=0.0)
             operands = epilogue_operands(index, column, mask, epilogue, OPS, epilogue[6])
-        finish_loaded(y, operands, index, column, mask, epilogue, OPS, ITEM)
+        finish_loaded(y.to(tl.float32), operands, index, column, mask, epilogue, OPS, ITEM)
 
 
 # ---- host side ---------------------------------------------------------------------------------
