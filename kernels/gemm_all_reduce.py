@@ -252,7 +252,8 @@ def gemm_all_reduce_launch(x, w, buffer, out, *, matmul_bias=None, transpose_wei
     n = w.shape[0] if transpose_weight else w.shape[1]
     numel = m * n
     layout, (x_like, prologue, epilogue), kwargs = fused_arguments(
-        carrier(buffer, x.dtype, numel), buffer, out, **options)
+        carrier(buffer, x.dtype, numel), buffer, out, fold_row_max=tuning.fold_row_max,
+        **options)
     tiles = tiles or gemm_tiles(m, n, k, x.dtype)
     tma = tiles.tma and descriptor_ready(x) and descriptor_ready(w)
     if tma and x.is_cuda:

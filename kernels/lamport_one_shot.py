@@ -64,7 +64,8 @@ def lamport_one_shot_kernel(
 
 def lamport_one_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
-    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    layout, head, kwargs = fused_arguments(x, buffer, out, fold_row_max=tuning.fold_row_max,
+                                           **options)
     args = head + (buffer.data_table, buffer.epoch, x.numel(), slot_elements(x.numel()),
                    part_elements(buffer, x.element_size(), 2), buffer.rank, tuning.timeout_ns)
     # The poll holds a [W, row] tile: past 4 ranks, twice the warps keep it near 64 elements a

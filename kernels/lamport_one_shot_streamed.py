@@ -30,8 +30,7 @@ import triton.language as tl
 from infini_dist.kernels.one_shot_all_reduce import one_shot_bytes
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
-from infini_dist.kernels.symm_chain import (MAX_PROGRAMS, ROW_SCALE_QUANTS, fused_arguments,
-                                            round_to)
+from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, apply_prologue,
                                              call_half, finish_loaded, group_items, item_group,
                                              program_items, take_with_operands)
@@ -102,19 +101,21 @@ def lamport_one_shot_streamed_kernel(
 
 def lamport_one_shot_streamed_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
-    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    layout, head, kwargs = fused_arguments(x, buffer, out, fold_row_max=tuning.fold_row_max,
+                                           **options)
     # Items a step, measured on 2 H100s with add_rms_norm x 4096 bf16 (docs/notes_symm.md,
-    # session 17): two rows a step once a program has 64 rows (8192 tokens: 3% faster), or 32
-    # with a per-row quantizer, whose second row reduction the two rows share (per-token FP8
-    # at 4096 / 8192 tokens: 5% / 9% faster); one below (two were 4-15% slower at 1024 and
-    # 2048). Not past 4 ranks: the polled [W, 2, row] tile would double what a thread holds.
-    # (On 2 H200s, before the operands' preload, one a step was the faster at 8192: session
-    # 11.) Twice the layout's warps: 8 and 16 measured the same there, 4 was 45% slower.
+    # sessions 17-18): two rows a step once a program has 64 rows (8192 tokens: 1-4% faster,
+    # with or without FP8); one below (two were 4-14% slower at 1024 and 2048). Session 17
+    # took two from 32 rows with a per-token quantizer, whose second row reduction the two
+    # shared; that reduction is now folded into the norm's (fold_row_max), and two rows were 4%
+    # slower at 4096 with it. Not past 4 ranks: the polled [W, 2, row] tile would double what a
+    # thread holds. (On 2 H200s, before the operands' preload, one a step was the faster at
+    # 8192: session 11.) Twice the layout's warps: 8 and 16 measured the same there, 4 was 45%
+    # slower; at 1-128 tokens 4 and 8 were within 2% of 16, 5-8% slower with per-token FP8.
     items = triton.cdiv(x.numel(), layout.item)
     if tuning.group_items:
         group = group_items(items, layout.grid, tuning)
-    elif buffer.world_size <= 4 and options.get("norm") and items >= (
-            32 if options.get("quant") in ROW_SCALE_QUANTS else 64) * layout.grid:
+    elif buffer.world_size <= 4 and options.get("norm") and items >= 64 * layout.grid:
         group = 2
     else:
         group = 1

@@ -88,7 +88,8 @@ def lamport_two_shot_bytes(numel: int, element_size: int, world_size: int, row_l
 
 def lamport_two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
-    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    layout, head, kwargs = fused_arguments(x, buffer, out, fold_row_max=tuning.fold_row_max,
+                                           **options)
     args = head + (buffer.data_table, buffer.epoch, x.numel(),
                    part_elements(buffer, x.element_size(), 2), buffer.rank, tuning.timeout_ns)
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, MAX_PROGRAMS=MAX_PROGRAMS,

@@ -54,7 +54,8 @@ def one_shot_bytes(numel: int, element_size: int, world_size: int, row_len=None,
 def one_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs) with the launch options in kwargs; options
     as in symm_chain.fused_arguments."""
-    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    layout, head, kwargs = fused_arguments(x, buffer, out, fold_row_max=tuning.fold_row_max,
+                                           **options)
     args = head + (buffer.data_table, buffer.signal_table, buffer.epoch, x.numel(),
                    slot_elements(x.numel()), part_elements(buffer, x.element_size(), 2),
                    buffer.rank, tuning.timeout_ns)

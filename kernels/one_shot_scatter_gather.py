@@ -155,10 +155,11 @@ def one_shot_scatter_gather_launch(x, buffer, gathered, *, tuning=DEFAULT_TUNING
     (nt_runtime.FastLaunch)."""
     rows, row = shard_rows(x, buffer.world_size)
     _check(options)
-    _, head, kwargs = fused_arguments(x, buffer, gathered, **dict(options, row_len=row))
+    _, head, kwargs = fused_arguments(x, buffer, gathered, fold_row_max=tuning.fold_row_max,
+                                      **dict(options, row_len=row))
     block, _, warps = layout(rows, row)  # reduce_scatter_all_gather's warps: the same row sums
     del kwargs["ITEM"]
-    codes = kwargs["EPILOGUE"]  # (ops x 3, norm, residual, pre, rstd, reduced, quant)
+    codes = kwargs["EPILOGUE"]  # (ops x 3, norm, residual, pre, rstd, reduced, quant, peak)
     kwargs.update(OTHERS=codes[:5] + (False, False, False) + codes[8:], ROW=row, BLOCK=block,
                   MAX_PROGRAMS=MAX_PROGRAMS, num_warps=warps)
     args = head + (buffer.data_table, buffer.signal_table, buffer.epoch, rows,

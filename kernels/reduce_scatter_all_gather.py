@@ -164,7 +164,8 @@ def reduce_scatter_all_gather_launch(x, buffer, out, gathered, *, tuning=DEFAULT
     out_dtype = _QUANT_DTYPES.get(options.get("quant", 0), x.dtype)
     if gathered is not None:
         out = local_region(buffer, out_dtype, rows * row)
-    _, head, kwargs = fused_arguments(x, buffer, out, **dict(options, row_len=row))
+    _, head, kwargs = fused_arguments(x, buffer, out, fold_row_max=tuning.fold_row_max,
+                                      **dict(options, row_len=row))
     block, grid, warps = layout(rows, row)
     del kwargs["ITEM"]
     kwargs.update(ROW=row, BLOCK=block, GATHER=gathered is not None, num_warps=warps)

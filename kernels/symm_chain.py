@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import linecache
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,10 @@ _QUANTS = [spec for spec in SPECS.values() if spec.symm_quant is not None]
 QUANT_CODES = {spec.name: code for code, spec in enumerate(_QUANTS, start=1)}
 ROW_SCALE_QUANTS = frozenset(QUANT_CODES[spec.name] for spec in _QUANTS
                              if spec.symm_quant.row_scale)
+# The norms whose output's row max a per-row quantizer can take from the norm (SymmNorm.factor).
+PEAK_NORMS = frozenset(NORM_CODES[spec.name] for spec in _NORMS if spec.symm_norm.factor)
+# Triton reads TRITON_INTERPRET when it decorates a kernel: this module's are made at import.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # Those reading their scale from a one-element tensor (the `scales_ptr` slot) at run time.
 SCALE_OPERAND_QUANTS = frozenset(QUANT_CODES[spec.name] for spec in _QUANTS
                                  if spec.symm_quant.scale_operand)
@@ -114,11 +119,30 @@ _LOADS = {"row": "side_ptr + index",
           "vector": "side_ptr + index % tl.cast(scalar, tl.int64)"}  # scalar: the row length
 
 
+@triton.jit
+def _sum_and_max(sum_a, max_a, sum_b, max_b):
+    return sum_a + sum_b, tl.maximum(max_a, max_b)
+
+
+@triton.jit
+def squares_and_peak(y, factor):
+    """The row's sum of y^2 and max |factor| (keep_dims). On a GPU one reduction of the pair:
+    one round of shuffles and barriers where two reductions make two. Interpreted, the sum is
+    numpy's as in tl.sum (a tuple's reduction is a Python loop there)."""
+    if INTERPRETED:
+        squares = tl.sum(y * y, axis=-1, keep_dims=True)
+        peak = tl.max(tl.abs(factor), axis=-1, keep_dims=True)
+    else:
+        squares, peak = tl.reduce((y * y, tl.abs(factor)), -1, _sum_and_max, keep_dims=True)
+    return squares, peak
+
+
 def dispatch_source() -> str:
     """`apply_op` (a chain step by op code), `norm_operands` (the norm slot's weight and bias,
-    as loaded), `apply_norm` (the norm slot by norm code: the normalised row and its rsqrt) and
-    `apply_quant` (the output quantization by quant code), with one constexpr branch per spec'd
-    step, norm and quantizer."""
+    as loaded), `apply_norm` (the norm slot by norm code: the normalised row, its rsqrt and,
+    where PEAK, the row's max |output| before rounding) and `apply_quant` (the output
+    quantization by quant code; PEAK: the row's max |y| is `peak`, not reduced again), with one
+    constexpr branch per spec'd step, norm and quantizer."""
     lines = ["@triton.jit",
              "def apply_op(x, OP: tl.constexpr, scalar, side_ptr, index, mask, "
              "DTYPE: tl.constexpr):",
@@ -143,24 +167,44 @@ def dispatch_source() -> str:
     lines += ["    return weight, bias", "", "",
               "@triton.jit",
               "def apply_norm(y, column, mask, weight, bias, eps, NORM: tl.constexpr, "
-              "ROW_LEN: tl.constexpr):",
+              "ROW_LEN: tl.constexpr, PEAK: tl.constexpr):",
               "    weight = weight.to(tl.float32)",
-              "    bias = bias.to(tl.float32)"]
+              "    bias = bias.to(tl.float32)",
+              "    peak = eps  # read only where PEAK"]
     for i, spec in enumerate(_NORMS):
+        norm = spec.symm_norm
         lines.append(f"    {'if' if i == 0 else 'elif'} NORM == {NORM_CODES[spec.name]}:"
                      f"  # {spec.name}")
+        body = []
+        if norm.rstd:
+            body.append("squares = tl.sum(y * y, axis=-1, keep_dims=True)")
         # A norm without an rsqrt returns y in its place: never stored (RSTD_NORMS).
-        lines.append(f"        rstd = {spec.symm_norm.rstd or 'y'}")
-        lines += [f"        {line}" for line in spec.symm_norm.code.splitlines()]
-    lines += ["    return y, rstd", "", "",
+        body += [f"rstd = {norm.rstd or 'y'}", *norm.code.splitlines()]
+        if norm.factor:
+            lines += ["        if PEAK:",
+                      f"            factor = {norm.factor}",
+                      "            squares, peak = squares_and_peak(y, factor)",
+                      f"            rstd = {norm.rstd}",
+                      "            y = factor * rstd",
+                      "            peak = peak * rstd  # max |y|: fp32 rounding is monotonic",
+                      "        else:"]
+            lines += [f"            {line}" for line in body]
+        else:
+            lines += [f"        {line}" for line in body]
+    lines += ["    return y, rstd, peak", "", "",
               "@triton.jit",
               "def apply_quant(y, index, column, mask, QUANT: tl.constexpr, scale, scales_ptr, "
-              "ROW_LEN: tl.constexpr):",
+              "ROW_LEN: tl.constexpr, peak, PEAK: tl.constexpr):",
               "    q = y"]
     for spec in _QUANTS:
         lines.append(f"    if QUANT == {QUANT_CODES[spec.name]}:  # {spec.name}")
         if spec.symm_quant.scale_operand:
             lines.append("        scale = tl.load(scales_ptr).to(tl.float32)")
+        if spec.symm_quant.row_scale:
+            lines += ["        if PEAK:",
+                      "            row_max = peak",
+                      "        else:",
+                      "            row_max = tl.max(tl.abs(y), axis=-1, keep_dims=True)"]
         lines += [f"        {line}" for line in spec.symm_quant.code.splitlines()]
         if spec.symm_quant.row_scale:  # one value per row: the row's first lane stores it
             lines.append("        tl.store(scales_ptr + index // ROW_LEN, row_scale, "
@@ -177,7 +221,7 @@ def _dispatch():
     # __name__ gives the generated functions a __module__: Triton's compiler (not its interpreter)
     # reads it for every global a kernel names, and fails on None.
     namespace = {"__name__": __name__, "triton": triton, "tl": tl, "round_to": round_to,
-                 "sigmoid_fp32": sigmoid_fp32}
+                 "sigmoid_fp32": sigmoid_fp32, "squares_and_peak": squares_and_peak}
     exec(compile(source, filename, "exec"), namespace)
     return (namespace["apply_op"], namespace["norm_operands"], namespace["apply_norm"],
             namespace["apply_quant"])
@@ -200,7 +244,7 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr,
                 E_OP1: tl.constexpr, e_scalar1, e_side1, E_OP2: tl.constexpr, e_scalar2, e_side2,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_PRE: tl.constexpr,
                 WRITE_RSTD: tl.constexpr, WRITE_REDUCED: tl.constexpr, ROW_LEN: tl.constexpr,
-                QUANT: tl.constexpr, quant_scale, scales_ptr):
+                QUANT: tl.constexpr, quant_scale, scales_ptr, PEAK: tl.constexpr):
     """Epilogue of one item (a row when NORM != NO_NORM) from its reduced value `y` (fp32, already
     rounded to the input dtype like the all_reduce output), then its stores. `residual`,
     `weight` and `bias` are values, loaded already (symm_device.epilogue_operands: a Lamport
@@ -210,10 +254,13 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr,
     backward). WRITE_REDUCED: `y` itself too (a training graph may read the all_reduce's value
     beside the norm). QUANT: the value is quantized last (`out` holds the quantizer's dtype,
     e.g. fp8, while `pre` keeps the input dtype; a per-row scale goes to `scales_ptr`). `y` may
-    also be a [group, row] tile of several items; `column` then is [1, row]."""
+    also be a [group, row] tile of several items; `column` then is [1, row]. PEAK (a per-row
+    quantizer after a norm of PEAK_NORMS): the quantizer's row max comes from the norm's
+    reduction; the same bits as its own pass over the rounded output, one reduction fewer."""
     # pre_ptr is x itself when `pre` is not stored: the input dtype, which `out` lacks when
     # quantized, and every unfused op before the quantizer rounds to.
     dtype = pre_ptr.dtype.element_ty
+    peak = eps
     if WRITE_REDUCED:
         tl.store(reduced_ptr + index, y.to(dtype), mask=mask)
     y = apply_chain(y, index, mask, E_OP0, e_scalar0, e_side0, E_OP1, e_scalar1, e_side1,
@@ -223,14 +270,15 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr,
             y = y + residual.to(tl.float32)
         if WRITE_PRE:
             tl.store(pre_ptr + index, y.to(dtype), mask=mask)
-        y, rstd = apply_norm(tl.where(mask, y, 0.0), column, mask, weight, bias, eps, NORM,
-                             ROW_LEN)
+        y, rstd, peak = apply_norm(tl.where(mask, y, 0.0), column, mask, weight, bias, eps,
+                                   NORM, ROW_LEN, PEAK)
         if WRITE_RSTD:  # one value per row (an item is a row), stored by its first element
             tl.store(rstd_ptr + index // ROW_LEN, tl.broadcast_to(rstd, index.shape),
                      mask=mask & (column == 0))
     if QUANT != NO_QUANT:
+        # The max of the rounded outputs is the rounded max: rounding is monotonic.
         y = apply_quant(tl.where(mask, round_to(y, dtype), 0.0), index, column, mask, QUANT,
-                        quant_scale, scales_ptr, ROW_LEN)
+                        quant_scale, scales_ptr, ROW_LEN, round_to(peak, dtype), PEAK)
     tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -271,7 +319,8 @@ def launch_layout(numel: int, row_len: int | None, norm: int, world_size: int) -
 
 def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, norm=0,
                     weight=None, bias=None, residual=None, eps=1e-6, pre=None, rstd=None,
-                    reduced=None, row_len=None, quant=0, quant_scale=0.0, scales=None):
+                    reduced=None, row_len=None, quant=0, quant_scale=0.0, scales=None,
+                    fold_row_max=True):
     """What every fused symmetric-memory launch on `buffer` (symm_buffers.SymmBuffer) shares,
     as (layout, leading args, kwargs). `prologue` / `epilogue` are ChainOps whose side tensors
     are looked up in `sides`; `norm` is a norm code, with `weight`, `bias` (layer_norm) and
@@ -283,6 +332,8 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     quantizer of SCALE_OPERAND_QUANTS the one-element tensor it reads at run time; `scales`: the
     rows x 1 fp32 scales a per-row quantizer writes). The kernels have one slot for both
     tensors, `scales_ptr`: no quantizer writes per-row scales and reads a scale tensor.
+    `fold_row_max` (SymmTuning.fold_row_max): a per-row quantizer after a norm of PEAK_NORMS
+    takes its row max from the norm's reduction (finish_item's PEAK).
     Reads of the tensors: x.numel(), x.element_size() and x.is_cuda only, so the launch can be
     bound once and reused with other tensors of the same shape (scheduler/backends/symm_launch.PreparedLaunch)."""
     if rstd is not None and norm not in RSTD_NORMS:
@@ -309,9 +360,10 @@ def fused_arguments(x, buffer, out, *, prologue=(), epilogue=(), sides=None, nor
     quantize = (0.0 if scale_operand else float(quant_scale), slot)
     head = (x, p_values, outputs + e_values + quantize)
     writes = (pre is not None, rstd is not None, reduced is not None)
+    peak = fold_row_max and quant in ROW_SCALE_QUANTS and norm in PEAK_NORMS
     kwargs = dict(
         PROLOGUE=p_codes,
-        EPILOGUE=e_codes + (norm, residual is not None) + writes + (quant,),
+        EPILOGUE=e_codes + (norm, residual is not None) + writes + (quant, peak),
         ITEM=layout.item, BLOCK=layout.block, WORLD_SIZE=buffer.world_size,
         WS_P2=world_size_pow2(buffer.world_size), ON_GPU=x.is_cuda, num_warps=layout.num_warps)
     return layout, head, kwargs

@@ -12,7 +12,7 @@ composes, so that each kernel reads as signature, phases, launch.
 - The chains (`apply_prologue`, `finish`, `finish_into`): the symm_chain ops, unpacked from
   the kernels' tuple arguments. A kernel takes `x_ptr, prologue, epilogue` with PROLOGUE =
   (OP0, OP1, OP2) and EPILOGUE = (OP0, OP1, OP2, NORM, RESIDUAL, WRITE_PRE, WRITE_RSTD,
-  WRITE_REDUCED, QUANT) constexpr, `prologue` = (scalar, side) x 3 and `epilogue` = (out, pre,
+  WRITE_REDUCED, QUANT, PEAK) constexpr, `prologue` = (scalar, side) x 3 and `epilogue` = (out, pre,
   rstd, reduced, weight, bias, residual, eps) + (scalar, side) x 3 + (quant scale, scales)
   (symm_chain.fused_arguments).
 - The two-shot phases over groups of items (`staging_targets`, `scatter_items`, `reduce_items`,
@@ -138,7 +138,7 @@ def finish_into(y, operands, index, column, mask, epilogue, OPS: tl.constexpr,
                 operands[0], operands[1], operands[2], epilogue[7], OPS[0], epilogue[8],
                 epilogue[9], OPS[1], epilogue[10], epilogue[11], OPS[2], epilogue[12],
                 epilogue[13], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], ITEM, OPS[8],
-                epilogue[14], epilogue[15])
+                epilogue[14], epilogue[15], OPS[9])
 
 
 @triton.jit
@@ -274,11 +274,14 @@ class SymmTuning:
     forces the two-shot items per step (`group_items`) and per round (two_shot_all_reduce's
     `round_items`); 0 picks by size. `preload`: the Lamport kernels read the epilogue's
     operands (residual, norm weight) before they poll for the peers' data, not after; off for
-    comparisons (launch/bench_knobs.py)."""
+    comparisons (launch/bench_knobs.py). `fold_row_max`: a per-token quantizer after an RMSNorm
+    takes the row max from the norm's reduction rather than reducing the row again (the same
+    bits); off for comparisons."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     group_items: int = 0
     round_items: int = 0
     preload: bool = True
+    fold_row_max: bool = True
 
     def __post_init__(self):
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
@@ -288,8 +291,9 @@ class SymmTuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.preload, bool):
-            raise ValueError(f"preload must be a bool, got {self.preload!r}")
+        for name in ("preload", "fold_row_max"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def timeout_ns(self) -> int:

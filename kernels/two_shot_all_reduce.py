@@ -96,7 +96,8 @@ def round_items(items: int, grid: int, tuning: SymmTuning = DEFAULT_TUNING) -> i
 def two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs) with the launch options in kwargs; options
     as in symm_chain.fused_arguments."""
-    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    layout, head, kwargs = fused_arguments(x, buffer, out, fold_row_max=tuning.fold_row_max,
+                                           **options)
     items = triton.cdiv(x.numel(), layout.item)
     args = head + (buffer.data_table, buffer.signal_table, x.numel(),
                    upper_half_elements(buffer, x.element_size()), buffer.rank,

@@ -83,7 +83,8 @@ def polled_gather_bytes(numel: int, element_size: int, world_size: int, row_len=
 
 def two_shot_polled_gather_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     """The launch, as (kernel, grid, args, kwargs); options as in symm_chain.fused_arguments."""
-    layout, head, kwargs = fused_arguments(x, buffer, out, **options)
+    layout, head, kwargs = fused_arguments(x, buffer, out, fold_row_max=tuning.fold_row_max,
+                                           **options)
     group = group_items(triton.cdiv(x.numel(), layout.item), layout.grid, tuning)
     # Halves start every half buffer; in each, the gathered copy a quarter buffer in.
     args = head + (buffer.data_table, buffer.signal_table, buffer.epoch, x.numel(),

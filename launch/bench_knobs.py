@@ -11,10 +11,11 @@ one_shot_lamport_streamed at 1 to 8192 tokens. `--kernels`: only these kernels (
 
 `--pairs`: instead, A/B pairs of one kernel's knobs, 10 calls a graph as the sweep times them,
 each pair timed twice in alternating order, a summary table last: the two Lamport one-shot
-kernels with the epilogue's operands read after the poll and before it (`SymmTuning(preload=)`,
-with and without per-token FP8), the streamed one with one and two items a step from 1024
-tokens (without FP8, static and per-token), and with its 16 warps or 4 at 1-128 tokens (without
-FP8 and per-token: fewer warps, cheaper row reductions).
+kernels with per-token FP8's row max from a pass of its own and from the norm's reduction
+(`SymmTuning(fold_row_max=)`, which must give the same bits), the streamed one with one and two
+items a step from 1024 tokens (without FP8, static and per-token), and with its 16 warps or 4
+or 8 at 1-128 tokens (without FP8 and per-token: fewer warps, cheaper row reductions).
+(Session 17's pairs of `SymmTuning(preload=)` decided that knob: docs/notes_symm.md.)
 """
 
 from __future__ import annotations
@@ -57,23 +58,24 @@ def pairs():
     """(kernel, tokens, quant, what differs, A, B), each side (tuning, num_warps or None for
     the launch's)."""
     streamed, lamport = lamport_one_shot_streamed_all_reduce, lamport_one_shot_all_reduce
-    after, before = (SymmTuning(preload=False), None), (SymmTuning(preload=True), None)
-    for tokens in (1, 16, 128, 1024, 2048, 4096, 8192):
-        for quant in (None, PER_TOKEN):
-            yield streamed, tokens, quant, "preload", after, before
+    own_pass, folded = (SymmTuning(fold_row_max=False), None), (DEFAULT_TUNING, None)
+    for tokens in (1, 16, 128, 1024, 8192):
+        yield streamed, tokens, PER_TOKEN, "row max", own_pass, folded
     for tokens in (1, 16, 128):
-        yield lamport, tokens, None, "preload", after, before
+        yield lamport, tokens, PER_TOKEN, "row max", own_pass, folded
     for tokens in (1024, 2048, 4096, 8192):
         for quant in (None, ("quant_fp8", FP8_SCALE), PER_TOKEN):
             yield streamed, tokens, quant, "items a step", (SymmTuning(group_items=1), None), \
                 (SymmTuning(group_items=2), None)
     for tokens in (1, 16, 128):
         for quant in (None, PER_TOKEN):
-            yield streamed, tokens, quant, "warps", (DEFAULT_TUNING, None), (DEFAULT_TUNING, 4)
+            for warps in (4, 8):
+                yield streamed, tokens, quant, f"warps {warps}", (DEFAULT_TUNING, None), \
+                    (DEFAULT_TUNING, warps)
 
 
-def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, bool]:
-    """|out - fp32 reference| max, and whether every rank got the same bits."""
+def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, bool, list]:
+    """|out - fp32 reference| max, whether every rank got the same bits, and their checksum."""
     out = results[0]
     total = x.float()
     dist.all_reduce(total)
@@ -86,7 +88,8 @@ def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, boo
                                          .view(bits.shape)).sum()])
     gathered = [torch.empty_like(checksum) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, checksum)
-    return float((got - want).abs().max()), all(torch.equal(g, gathered[0]) for g in gathered)
+    return (float((got - want).abs().max()), all(torch.equal(g, gathered[0]) for g in gathered),
+            checksum.tolist())
 
 
 def pair_sweep(device):
@@ -95,25 +98,30 @@ def pair_sweep(device):
     if rank0:
         print("| kernel | tokens | quant | knob | A or B | µs | max abs error | same bits |\n"
               "|---|---|---|---|---|---|---|---|")
+    differing = []  # row-max pairs whose two sides gave other bits: they must not
     summary = []
     for kernel, tokens, quant, knob, *sides in pairs():
         x, residual, weight = inputs_for(tokens, HIDDEN, device)
-        times = ([], [])
+        times, sums = ([], []), ([], [])
         for side in (0, 1, 1, 0):  # alternating: drift falls on both
             tuning, warps = sides[side]
             launch, grid, args, kwargs, results = kernel.bind(
                 x, weight=weight, residual=residual, quant=quant, tuning=tuning)
             kwargs = kwargs if warps is None else dict(kwargs, num_warps=warps)
             us = timer.graph(lambda: launch[grid](*args, **kwargs)) * 1e6
-            error, same = error_and_agreement(results, x, residual, weight, quant)
+            error, same, checksum = error_and_agreement(results, x, residual, weight, quant)
             times[side].append(us)
+            sums[side].append(checksum)
             if rank0:
                 print(f"| {kernel.kind} | {tokens} | {quant[0] if quant else ''} | {knob} | "
                       f"{'AB'[side]} | {us:.2f} | {error:.3g} | {same} |", flush=True)
         summary.append((kernel.kind, tokens, quant, knob, *(sum(t) / 2 for t in times)))
+        if knob == "row max" and sums[0] != sums[1]:
+            differing.append((kernel.kind, tokens))
     if rank0:
-        print("\nA / B: preload after / before the poll; items a step 1 / 2; warps the launch's "
-              "/ 4\n"
+        print(f"\nrow-max pairs with other bits on the two sides: {differing or 'none'}")
+        print("\nA / B: row max by its own pass / from the norm; items a step 1 / 2; warps the "
+              "launch's / 4 or 8\n"
               "| kernel | tokens | quant | knob | A µs | B µs | B / A |\n|---|---|---|---|---|---|---|")
         for kind, tokens, quant, knob, a, b in summary:
             print(f"| {kind} | {tokens} | {quant[0] if quant else ''} | {knob} | {a:.2f} | "

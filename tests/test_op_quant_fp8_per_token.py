@@ -265,3 +265,54 @@ def test_a_half_precision_scale_is_not_the_op():
     site = compiled_site(f, randn((2, 16), 1, dtype), randn((2, 16), 2, dtype),
                          randn((16,), 3, dtype))
     assert ops_of(site) == ["all_reduce", "add_rms_norm"]
+
+
+def _fold_rank(rank, world_size, storage_sets):
+    """On each rank: the streamed Lamport kernel's FP8 output and scales with the row max taken
+    from the norm's reduction and from a pass of its own, which must be the same bits."""
+    from infini_dist.kernels.lamport_one_shot_streamed import (
+        lamport_one_shot_streamed_all_reduce as kernel)
+    from infini_dist.kernels.symm_buffers import from_peer_tensors
+    from infini_dist.kernels.symm_device import SymmTuning
+    results = []
+    for (rows, row, group), storages in zip(FOLD_SHAPES, storage_sets):
+        buffer = from_peer_tensors(storages, rank)
+        for norm, quant in [("rms_norm", "quant_fp8_per_token"), ("gemma_rms_norm", RECIPROCAL),
+                            ("add_rms_norm", "quant_fp8_per_token")]:
+            x = randn((rows, row), 10 + rank, torch.bfloat16) * 3
+            x[0] = 0  # every rank's row 0 zero: the scale's floor
+            weight = randn((row,), 1, torch.bfloat16)
+            options = dict(weight=weight, quant=(quant,), buffer=buffer)
+            if norm == "add_rms_norm":
+                options["residual"] = randn((rows, row), 2, torch.bfloat16)
+            else:
+                options["norm"] = norm
+            got = [kernel(x, tuning=SymmTuning(fold_row_max=fold, group_items=group), **options)
+                   for fold in (True, False)]
+            for folded, own_pass in zip(*got):
+                assert torch.equal(folded.view(torch.uint8) if folded.dtype == FP8 else folded,
+                                   own_pass.view(torch.uint8) if own_pass.dtype == FP8
+                                   else own_pass), (norm, rows, row, group)
+            results.append(got[0][1].sum().item())
+    return results
+
+
+FOLD_SHAPES = [(5, 64, 0), (12, 24, 2)]  # one row a program; two a step, the last group partial
+
+
+def test_the_norms_row_max_gives_the_scales_bits():
+    """The kernels take a per-token quantizer's row max from the RMSNorm's reduction, as
+    max|weight * h| * rstd rounded: rounding is monotonic, so that is exactly the max of the
+    rounded outputs. Checked bitwise against the quantizer's own pass, 2 interpreted ranks."""
+    from infini_dist.kernels.symm_buffers import fill_empty, header_bytes
+    from multirank import run_ranks
+    storage_sets = []
+    for _ in FOLD_SHAPES:
+        storages = [torch.zeros(header_bytes(2) + (1 << 16), dtype=torch.uint8).share_memory_()
+                    for _ in range(2)]
+        for storage in storages:
+            fill_empty(storage, 2, 16)  # bf16 places
+        storage_sets.append(storages)
+    per_rank = run_ranks(_fold_rank, 2, storage_sets, timeout=300,
+                         env={"TRITON_INTERPRET": "1"})
+    assert per_rank[0] == per_rank[1]

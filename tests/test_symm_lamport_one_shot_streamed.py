@@ -31,9 +31,8 @@ def test_on_gpus(tmp_path):
 
 
 def test_two_rows_a_step_with_many_rows_a_program():
-    # Two rows a step once a program has 64 (128 programs: 8192 rows), or 32 (4096 rows) with
-    # a per-row quantizer, whose second row reduction the two share; one otherwise, and never
-    # past 4 ranks or without a norm.
+    # Two rows a step once a program has 64 (128 programs: 8192 rows), with a quantizer or
+    # without; one otherwise, and never past 4 ranks or without a norm.
     import torch
 
     from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
@@ -41,8 +40,8 @@ def test_two_rows_a_step_with_many_rows_a_program():
     for world_size in (2, 8):
         buffer = from_peer_tensors([torch.zeros(header_bytes(world_size) + (1 << 24),
                                                 dtype=torch.uint8) for _ in range(world_size)], 0)
-        for rows, quant, group in [(4096, per_token, 2), (4095, per_token, 1), (4096, None, 1),
-                                   (4096, static, 1), (1024, per_token, 1), (8192, None, 2),
+        for rows, quant, group in [(4096, per_token, 1), (8192, per_token, 2), (4096, None, 1),
+                                   (4096, static, 1), (8191, per_token, 1), (8192, None, 2),
                                    (8192, static, 2), (8191, None, 1)]:
             x = torch.randn(rows, 8)
             *_, kwargs, _ = lamport_one_shot_streamed_all_reduce.bind(

@@ -3,9 +3,9 @@ weight is stored as an offset from 1; transformers' GemmaRMSNorm / Gemma2RMSNorm
 
 import torch
 
-from infini_dist.kernels.epilogue.rms_norm import SYMM_RSTD
-from infini_dist.kernels.epilogue.spec import (EPS, OpSpec, Spelling, SymmNorm,
-                                               check_norm_input, compute_dtype)
+from infini_dist.kernels.epilogue.rms_norm import rms_slot
+from infini_dist.kernels.epilogue.spec import (EPS, OpSpec, Spelling, check_norm_input,
+                                               compute_dtype)
 
 
 def gemma_rms_norm(x, weight, eps: float = 1e-6):
@@ -32,4 +32,4 @@ SPEC = OpSpec(
     "gemma_rms_norm", "rowwise", 2, gemma_rms_norm, attrs=(("eps", 1e-6),), vectors=(1,),
     spellings=(Spelling("gemma_rms_norm", _transformers, captures=(("eps", EPS),)),),
     nt_code=_nt_code, nt_helpers=("rms_normalize_fp32",),
-    symm_norm=SymmNorm("y = y * rstd * (1.0 + weight)", ("value", "weight"), SYMM_RSTD))
+    symm_norm=rms_slot("y * (1.0 + weight)", ("value", "weight")))

@@ -119,11 +119,10 @@ def _spec(reciprocal: bool) -> OpSpec:
         _reference(reciprocal), native=_native(reciprocal), attrs=(("min_scale", MIN_SCALE),),
         num_outputs=2, out_dtype=FP8, per_row_outputs=(1,), spellings=_spellings(reciprocal),
         nt_code=_nt_code(reciprocal),
-        # y is zero past the row end, so the max over the padded row is the row's; `scale`
-        # is min_scale
+        # `row_max`: max |y| over the row (y is zero past its end); `scale` is min_scale
         symm_quant=SymmQuant(
-            f"row_scale = tl.maximum(tl.max(tl.abs(y), axis=-1, keep_dims=True) / {FP8_MAX}, "
-            "scale)\n" + SYMM_CLAMP.format(v=scaled), scalar="min_scale", row_scale=True))
+            f"row_scale = tl.maximum(row_max / {FP8_MAX}, scale)\n" + SYMM_CLAMP.format(v=scaled),
+            scalar="min_scale", row_scale=True))
 
 
 SPECS = (_spec(reciprocal=False), _spec(reciprocal=True))

@@ -6,10 +6,17 @@ import torch.nn.functional as F
 from infini_dist.kernels.epilogue.spec import (EPS, OpSpec, Spelling, SymmNorm,
                                                check_norm_input, compute_dtype, same_dtype)
 
-# The norm slot's rsqrt and code, shared with add_rms_norm (which adds the residual first) and
-# gemma_rms_norm (the same rsqrt, another weight).
-SYMM_RSTD = "tl.math.rsqrt(tl.sum(y * y, axis=-1, keep_dims=True) / ROW_LEN + eps)"
-SYMM_NORM = SymmNorm("y = y * rstd * weight", ("value", "weight"), SYMM_RSTD)
+
+def rms_slot(factor: str, roles: tuple[str, ...]) -> SymmNorm:
+    """The norm slot of an RMSNorm whose output is (factor) * rsqrt(mean(y^2) + eps): the
+    factor first, so that the output's row max is the factor's times the rsqrt (rounding is
+    monotonic), which a per-row quantizer reads without a second pass over the row. Shared
+    with add_rms_norm (the residual added first) and gemma_rms_norm (another weight)."""
+    return SymmNorm(f"y = ({factor}) * rstd", roles,
+                    "tl.math.rsqrt(squares / ROW_LEN + eps)", factor)
+
+
+SYMM_NORM = rms_slot("y * weight", ("value", "weight"))
 
 
 def rms(x, weight, eps):

@@ -67,12 +67,17 @@ class SymmStep:
 class SymmNorm:
     """The op in the norm slot. `roles` names each operand: "value" (the chain value), "weight",
     "bias", "residual" (added in fp32 before the norm; value and residual commute). `rstd`: an
-    expression of `y` for rsqrt(mean(y^2) + eps) per row (keep_dims), bound to `rstd` before
-    `code` runs, so the rms_rstd output is the very value the norm multiplied by; None where the
-    norm has no such factor (LayerNorm's is of the centred row: rms_rstd is not it)."""
+    expression of `squares` (the row's sum of y^2, keep_dims) for rsqrt(mean(y^2) + eps) per
+    row, bound to `rstd` before `code` runs, so the rms_rstd output is the very value the norm
+    multiplied by; None where the norm has no such factor (LayerNorm's is of the centred row:
+    rms_rstd is not it). `factor`: for a norm whose `code` is `y = (factor) * rstd`, that
+    expression of `y` and the operands (`rms_slot` writes both). A per-row quantizer then takes
+    the row's max |output| as max|factor| * rstd, reduced together with `squares`
+    (symm_chain.apply_norm's PEAK)."""
     code: str
     roles: tuple[str, ...]
     rstd: str | None = None
+    factor: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,8 @@ class SymmQuant:
     attribute named `scalar` (None: 0.0), or with `scale_operand`, the op's one-element tensor
     operand (its `scalars`) loaded in fp32 at run time, so a checkpoint's scale may change
     between calls and CUDA-graph replays. `row_scale`: the code also sets `row_scale`, one fp32
-    value per row ([rows, 1], reduced over the whole row, so only after a norm), stored as the
-    op's second output."""
+    value per row ([rows, 1], so only after a norm), stored as the op's second output, from
+    `row_max`: the row's max |y|, in scope ([rows, 1]; symm_chain.apply_quant)."""
     code: str
     scalar: str | None = None
     row_scale: bool = False
