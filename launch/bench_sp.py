@@ -79,6 +79,19 @@ def prefer(algorithm: str):
     return hook
 
 
+def force(algorithm: str) -> None:
+    """This process's engine commits `algorithm` wherever it is offered (`prefer`), and keeps
+    its decisions off the disk cache both ways: a forced decision is not a measurement, so it
+    must not be left for later runs, and a decision an earlier process left there (under the
+    same key: the hook is not a setting) would be loaded instead of tuned, so the forced
+    algorithm would never be timed. (Session 18's forced one_shot_scatter_gather run loaded
+    the symm_scatter_gather process's decisions that way.)"""
+    import infini_dist
+    from infini_dist.scheduler import engine
+    infini_dist.config.enable_disk_cache = False
+    engine.timing_hook = prefer(algorithm)
+
+
 class Run:
     """One process's variants at each --tokens: the same full weights, sharded afresh each time."""
 
@@ -338,8 +351,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     device, dtype, control = setup(args)
     if args.force:
-        from infini_dist.scheduler import engine
-        engine.timing_hook = prefer(args.force)
+        force(args.force)
     run = Run(args, device, dtype, control)
     if dist.get_rank() == 0:
         print(f"TP/SP={dist.get_world_size()} {device.type} {dtype}: layers {args.layers}, "
