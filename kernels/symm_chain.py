@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import linecache
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ import triton
 import triton.language as tl
 
 from infini_dist.kernels.epilogue import SPECS
+from infini_dist.kernels.nt_runtime import interpreting
 from infini_dist.kernels.symm_signal import world_size_pow2
 
 MAX_CHAIN = 3
@@ -49,7 +49,7 @@ ROW_SCALE_QUANTS = frozenset(QUANT_CODES[spec.name] for spec in _QUANTS
 # The norms whose output's row max a per-row quantizer can take from the norm (SymmNorm.factor).
 PEAK_NORMS = frozenset(NORM_CODES[spec.name] for spec in _NORMS if spec.symm_norm.factor)
 # Triton reads TRITON_INTERPRET when it decorates a kernel: this module's are made at import.
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETED = tl.constexpr(interpreting())
 # Those reading their scale from a one-element tensor (the `scales_ptr` slot) at run time.
 SCALE_OPERAND_QUANTS = frozenset(QUANT_CODES[spec.name] for spec in _QUANTS
                                  if spec.symm_quant.scale_operand)
@@ -175,22 +175,20 @@ def dispatch_source() -> str:
         norm = spec.symm_norm
         lines.append(f"    {'if' if i == 0 else 'elif'} NORM == {NORM_CODES[spec.name]}:"
                      f"  # {spec.name}")
-        body = []
-        if norm.rstd:
-            body.append("squares = tl.sum(y * y, axis=-1, keep_dims=True)")
-        # A norm without an rsqrt returns y in its place: never stored (RSTD_NORMS).
-        body += [f"rstd = {norm.rstd or 'y'}", *norm.code.splitlines()]
-        if norm.factor:
-            lines += ["        if PEAK:",
-                      f"            factor = {norm.factor}",
-                      "            squares, peak = squares_and_peak(y, factor)",
-                      f"            rstd = {norm.rstd}",
-                      "            y = factor * rstd",
-                      "            peak = peak * rstd  # max |y|: fp32 rounding is monotonic",
-                      "        else:"]
-            lines += [f"            {line}" for line in body]
+        if norm.factor:  # its code is `y = (factor) * rstd` (rms_slot): written out here
+            body = [f"factor = {norm.factor}",
+                    "if PEAK:",
+                    "    squares, peak = squares_and_peak(y, factor)",
+                    "else:",
+                    "    squares = tl.sum(y * y, axis=-1, keep_dims=True)",
+                    f"rstd = {norm.rstd}",
+                    "y = factor * rstd",
+                    "peak = peak * rstd  # max |y| where PEAK: fp32 rounding is monotonic"]
         else:
-            lines += [f"        {line}" for line in body]
+            body = ["squares = tl.sum(y * y, axis=-1, keep_dims=True)"] if norm.rstd else []
+            # A norm without an rsqrt returns y in its place: never stored (RSTD_NORMS).
+            body += [f"rstd = {norm.rstd or 'y'}", *norm.code.splitlines()]
+        lines += [f"        {line}" for line in body]
     lines += ["    return y, rstd, peak", "", "",
               "@triton.jit",
               "def apply_quant(y, index, column, mask, QUANT: tl.constexpr, scale, scales_ptr, "
