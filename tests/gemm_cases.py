@@ -86,3 +86,15 @@ def widen_interpreted_bf16_dot() -> None:
         return original(self, *wide, d, *rest)
     create_dot.widens_bf16 = True
     builder.create_dot = create_dot
+
+
+def check_rank_results(per_rank) -> None:
+    """Per-rank lists of (case, error, digest), case[2] its dtype's name: every error within
+    the tolerance (looser in bf16: the interpreter's rounding truncates), the same bits on
+    every rank."""
+    for results in zip(*per_rank):
+        case, _, _ = results[0]
+        tol = 1e-5 if case[2] == str(torch.float32) else 3e-2
+        for rank, (_, error, _) in enumerate(results):
+            assert error <= tol, f"{case} rank {rank}: error {error}"
+        assert len({bits for _, _, bits in results}) == 1, f"{case}: ranks differ"

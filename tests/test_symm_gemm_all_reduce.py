@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from gemm_cases import PATTERNS, make_inputs, meta_of, widen_interpreted_bf16_dot
+from gemm_cases import (PATTERNS, check_rank_results, make_inputs, meta_of,
+                        widen_interpreted_bf16_dot)
 from multirank import SAFE_GPU_ENV, run_process, run_ranks
 from symm_cases import digest, full_span, max_error, reference
 
@@ -78,12 +79,7 @@ def run_interpreted(monkeypatch, world_size, cases):
                .share_memory_() for _ in range(world_size)]
     per_rank = run_ranks(interpreted_rank, world_size, storage, cases, timeout=300,
                          env={"TRITON_INTERPRET": "1"})
-    for results in zip(*per_rank):
-        case, _, _ = results[0]
-        tol = 1e-5 if case[2] == str(F32) else 3e-2  # interpreter bf16 rounding truncates
-        for rank, (_, error, _) in enumerate(results):
-            assert error <= tol, f"{case} rank {rank}: error {error}"
-        assert len({bits for _, _, bits in results}) == 1, f"{case}: ranks differ"
+    check_rank_results(per_rank)
 
 
 def test_interpreted_two_ranks(monkeypatch):
