@@ -86,7 +86,7 @@ class MatmulChunks(Algorithm):
                 _per_row(meta[n].shape, tail.shape) is None for n in tail.tensor_inputs[1:]):
             return None
         chunk = -(-rows // self.chunks) * tail.shape[-1]
-        if chunk * tail.dtype.itemsize > TWO_SHOT_MAX_BYTES or self._chunk_bytes(
+        if chunk * tail.dtype.itemsize > TWO_SHOT_MAX_BYTES or self.data_bytes(
                 plan, ctx.world_size) > STREAMED_MAX_BUFFER_BYTES:
             return None
         return plan
@@ -94,14 +94,12 @@ class MatmulChunks(Algorithm):
     def supports(self, span, meta, ctx) -> bool:
         return self.plan(span, meta, ctx) is not None
 
-    def _chunk_bytes(self, plan: GemmPlan, world_size: int) -> int:
+    def data_bytes(self, plan: GemmPlan, world_size: int) -> int:
+        """The streamed kernel's buffer for the largest chunk."""
         tail = plan.tail
         rows = -(-math.prod(tail.shape[:-1]) // self.chunks)
         return self.kernel.data_bytes(rows * tail.shape[-1], tail.dtype.itemsize, world_size,
                                       tail.row_len, tail.norm)
-
-    def data_bytes(self, plan: GemmPlan, world_size: int) -> int:
-        return self._chunk_bytes(plan, world_size)
 
     def _side_stream(self, device) -> torch.cuda.Stream:
         stream = self._side_streams.get(device)
@@ -171,6 +169,7 @@ class _Bound:
 
 
 def algorithms() -> list[MatmulChunks]:
-    """The splits the engine times: two or four chunks, the reduction on 32 programs (about
-    100 of an H100's 132 SMs left to the GEMM) or on up to 128."""
+    """The splits to offer: two or four chunks, the reduction on 32 programs (about 100 of an
+    H100's 132 SMs left to the GEMM) or on up to 128. Not registered yet (the module's
+    docstring)."""
     return [MatmulChunks(2, 32), MatmulChunks(4, 32), MatmulChunks(4, 128)]
