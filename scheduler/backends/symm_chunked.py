@@ -45,6 +45,10 @@ from infini_dist.scheduler.backends.symm_gemm import GemmPlan, plan_gemm
 from infini_dist.scheduler.backends.symm_launch import PreparedAtFirstCall, warm_up
 from infini_dist.scheduler.choices import Algorithm
 
+# Each chunk's all-reduce and epilogue (a module constant, not an attribute: the engine's
+# SymmAllReduce algorithms are the ones with a `kernel` of their own for the whole span).
+REDUCTION = lamport_one_shot_streamed_all_reduce
+
 # Fewer rows a chunk and the chunks' launches cost more than their overlap saves: the split is
 # for prefill, where one chunk's GEMM takes tens of µs.
 MIN_CHUNK_ROWS = 128
@@ -73,7 +77,6 @@ class MatmulChunks(Algorithm):
     def __init__(self, chunks: int, programs: int, min_chunk_rows: int = MIN_CHUNK_ROWS):
         self.chunks, self.programs, self.min_chunk_rows = chunks, programs, min_chunk_rows
         self.name = f"matmul_chunks{chunks}_p{programs}"
-        self.kernel = lamport_one_shot_streamed_all_reduce
         self._side_streams = {}  # device -> the stream this algorithm's reductions run on
 
     def plan(self, span, meta, ctx) -> GemmPlan | None:
@@ -98,7 +101,7 @@ class MatmulChunks(Algorithm):
         """The streamed kernel's buffer for the largest chunk."""
         tail = plan.tail
         rows = -(-math.prod(tail.shape[:-1]) // self.chunks)
-        return self.kernel.data_bytes(rows * tail.shape[-1], tail.dtype.itemsize, world_size,
+        return REDUCTION.data_bytes(rows * tail.shape[-1], tail.dtype.itemsize, world_size,
                                       tail.row_len, tail.norm)
 
     def _side_stream(self, device) -> torch.cuda.Stream:
@@ -136,7 +139,7 @@ class MatmulChunks(Algorithm):
         return tail.results(written)
 
     def _reduce(self, y, tail, tensors, outputs, buffer, tuning):
-        kernel, grid, args, kwargs = self.kernel.launch(
+        kernel, grid, args, kwargs = REDUCTION.launch(
             y, buffer, tuning=tuning, **tail.launch_options(tensors), **outputs)
         kernel[(min(grid[0], self.programs),)](*args, **kwargs)
 
@@ -152,8 +155,8 @@ class MatmulChunks(Algorithm):
                                ctx)
         data_bytes = self.data_bytes(plan, ctx.world_size)
         return PreparedAtFirstCall(lambda env: _Bound(
-            self, plan, symm_buffers.get_buffer(ctx.group, ctx.device, self.kernel.kind,
-                                                data_bytes, self.kernel.lamport_width(
+            self, plan, symm_buffers.get_buffer(ctx.group, ctx.device, REDUCTION.kind,
+                                                data_bytes, REDUCTION.lamport_width(
                                                     plan.tail.dtype)), tuning))
 
 
