@@ -43,12 +43,11 @@ def interpreted_rank(rank, world_size, storage, cases):
 
 def run_interpreted(monkeypatch, world_size, cases):
     from infini_dist.kernels.symm_buffers import fill_empty, header_bytes
+    from infini_dist.scheduler.backends.symm_chunked import REDUCTION
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # spawned ranks inherit it before importing triton
+    (width,) = {REDUCTION.lamport_width(dtype) for *_, dtype, _, _ in cases}  # one buffer
     storage = [torch.zeros(header_bytes(world_size) + (1 << 18), dtype=torch.uint8)
                .share_memory_() for _ in range(world_size)]
-    from infini_dist.kernels.lamport_one_shot_streamed import (
-        lamport_one_shot_streamed_all_reduce as kernel)
-    (width,) = {kernel.lamport_width(dtype) for *_, dtype, _, _ in cases}  # one buffer
     for s in storage:
         fill_empty(s, world_size, width)
     per_rank = run_ranks(interpreted_rank, world_size, storage, cases, timeout=300,
