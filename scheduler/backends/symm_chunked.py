@@ -84,11 +84,10 @@ class MatmulChunks(Algorithm):
         if plan is None:
             return None
         tail = plan.tail
-        rows = math.prod(tail.shape[:-1])
-        if rows < self.chunks * self.min_chunk_rows or any(
+        if math.prod(tail.shape[:-1]) < self.chunks * self.min_chunk_rows or any(
                 _per_row(meta[n].shape, tail.shape) is None for n in tail.tensor_inputs[1:]):
             return None
-        chunk = -(-rows // self.chunks) * tail.shape[-1]
+        chunk = self._chunk_rows(plan) * tail.shape[-1]
         if chunk * tail.dtype.itemsize > TWO_SHOT_MAX_BYTES or self.data_bytes(
                 plan, ctx.world_size) > STREAMED_MAX_BUFFER_BYTES:
             return None
@@ -97,12 +96,15 @@ class MatmulChunks(Algorithm):
     def supports(self, span, meta, ctx) -> bool:
         return self.plan(span, meta, ctx) is not None
 
+    def _chunk_rows(self, plan: GemmPlan) -> int:
+        """The rows of the largest chunk (chunk_bounds)."""
+        return -(-math.prod(plan.tail.shape[:-1]) // self.chunks)
+
     def data_bytes(self, plan: GemmPlan, world_size: int) -> int:
         """The streamed kernel's buffer for the largest chunk."""
         tail = plan.tail
-        rows = -(-math.prod(tail.shape[:-1]) // self.chunks)
-        return REDUCTION.data_bytes(rows * tail.shape[-1], tail.dtype.itemsize, world_size,
-                                      tail.row_len, tail.norm)
+        return REDUCTION.data_bytes(self._chunk_rows(plan) * tail.shape[-1], tail.dtype.itemsize,
+                                    world_size, tail.row_len, tail.norm)
 
     def _side_stream(self, device) -> torch.cuda.Stream:
         stream = self._side_streams.get(device)
@@ -116,6 +118,7 @@ class MatmulChunks(Algorithm):
         weight = env[plan.w].t() if plan.transpose_weight else env[plan.w]
         bias = env[plan.bias] if plan.bias else None
         operands = {n: env[n].contiguous() for n in tail.tensor_inputs[1:]}
+        row_wise = {n for n, t in operands.items() if _per_row(t.shape, tail.shape)}
         written = tail.allocate(x.device)
         width = tail.shape[-1]
         side = self._side_stream(x.device) if x.is_cuda else None
@@ -125,7 +128,7 @@ class MatmulChunks(Algorithm):
             rows = x[start:end]
             y = rows @ weight if bias is None else torch.addmm(bias, rows, weight)
             chunks.append(y)
-            tensors = {n: t.view(-1, width)[start:end] if _per_row(t.shape, tail.shape) else t
+            tensors = {n: t.view(-1, width)[start:end] if n in row_wise else t
                        for n, t in operands.items()}
             outputs = {k: t.view(-1, t.shape[-1])[start:end] for k, t in written.items()}
             if side is None:
@@ -154,21 +157,12 @@ class MatmulChunks(Algorithm):
         _, tuning, _ = warm_up(self.warm_up_split(), plan, plan and plan.tensor_inputs, meta,
                                ctx)
         data_bytes = self.data_bytes(plan, ctx.world_size)
-        return PreparedAtFirstCall(lambda env: _Bound(
-            self, plan, symm_buffers.get_buffer(ctx.group, ctx.device, REDUCTION.kind,
-                                                data_bytes, REDUCTION.lamport_width(
-                                                    plan.tail.dtype)), tuning))
 
-
-class _Bound:
-    """One plan on its group's buffer: every call through `MatmulChunks.launch` (the chunks'
-    GEMMs and launches take Triton's and torch's normal paths; under CUDA graphs, the replay)."""
-
-    def __init__(self, algorithm: MatmulChunks, plan: GemmPlan, buffer, tuning: SymmTuning):
-        self.algorithm, self.plan, self.buffer, self.tuning = algorithm, plan, buffer, tuning
-
-    def __call__(self, env: dict) -> dict:
-        return self.algorithm.launch(self.plan, env, self.buffer, self.tuning)
+        def prepare(env):  # the first call, collective: the group's buffer
+            buffer = symm_buffers.get_buffer(ctx.group, ctx.device, REDUCTION.kind, data_bytes,
+                                             REDUCTION.lamport_width(plan.tail.dtype))
+            return lambda call_env: self.launch(plan, call_env, buffer, tuning)
+        return PreparedAtFirstCall(prepare)
 
 
 def algorithms() -> list[MatmulChunks]:
