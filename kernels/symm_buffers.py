@@ -44,6 +44,7 @@ class SymmBuffer:
     world_size: int
     data_bytes: int
     handle: object = None       # the torch symmetric-memory handle (keeps the mapping alive)
+    storages: tuple = ()        # every rank's allocation (uint8) as a tensor of this process
 
 
 def flags_bytes(world_size: int) -> int:
@@ -75,14 +76,24 @@ def upper_half_elements(buffer, element_size: int) -> int:
     return buffer.data_bytes // 2 // 256 * 256 // element_size
 
 
-def _from_addresses(storage, bases, rank, world_size, data_bytes, handle=None) -> SymmBuffer:
+def data_view(buffer: SymmBuffer, rank: int, dtype: torch.dtype, offset: int,
+              numel: int) -> torch.Tensor:
+    """Elements [offset, offset + numel) of `rank`'s data, as `dtype`: a tensor of this process,
+    so that a copy into a peer's is made by a copy engine and takes no SM."""
+    start = header_bytes(buffer.world_size) + offset * dtype.itemsize
+    return buffer.storages[rank][start:start + numel * dtype.itemsize].view(dtype)
+
+
+def _from_addresses(storage, bases, rank, world_size, data_bytes, handle=None,
+                    storages=()) -> SymmBuffer:
     header = header_bytes(world_size)
     device = storage.device
     signals = torch.tensor(bases, dtype=torch.int64, device=device)
     data = torch.tensor([b + header for b in bases], dtype=torch.int64, device=device)
     flags_end = flags_bytes(world_size)
     epoch = storage[flags_end:flags_end + MAX_PROGRAMS * 4].view(torch.int32)
-    return SymmBuffer(storage, data, signals, epoch, rank, world_size, data_bytes, handle)
+    return SymmBuffer(storage, data, signals, epoch, rank, world_size, data_bytes, handle,
+                      tuple(storages))
 
 
 def from_peer_tensors(storages: list, rank: int) -> SymmBuffer:
@@ -91,7 +102,7 @@ def from_peer_tensors(storages: list, rank: int) -> SymmBuffer:
     world_size = len(storages)
     nbytes = min(s.numel() for s in storages)
     return _from_addresses(storages[rank], [s.data_ptr() for s in storages], rank, world_size,
-                           nbytes - header_bytes(world_size))
+                           nbytes - header_bytes(world_size), storages=storages)
 
 
 def _group_name(group) -> str:
@@ -135,7 +146,10 @@ def allocate(group, device: torch.device, data_bytes: int, lamport_width: int = 
         raise RuntimeError(f"infini_dist: symmetric tensors sit at different offsets on the "
                            f"ranks ({offsets}); cannot address peers")
     bases = [base + offset for base in handle.buffer_ptrs]
-    return _from_addresses(storage, bases, rank, world_size, data_bytes, handle)
+    storages = [storage if peer == rank else handle.get_buffer(
+        peer, (header + data_bytes,), torch.uint8, storage_offset=offset)
+        for peer in range(world_size)]
+    return _from_addresses(storage, bases, rank, world_size, data_bytes, handle, storages)
 
 
 _BUFFERS: dict[tuple, list[SymmBuffer]] = {}
@@ -178,4 +192,5 @@ def local_scratch(world_size: int, rank: int, data_bytes: int, device) -> SymmBu
     storage = torch.zeros(header + data_bytes, dtype=torch.uint8, device=device)
     storage[:flags_bytes(world_size)].view(torch.int32).fill_(1 << 30)  # any barrier count
     bases = [storage.data_ptr()] * world_size
-    return _from_addresses(storage, bases, rank, world_size, data_bytes)
+    return _from_addresses(storage, bases, rank, world_size, data_bytes,
+                           storages=[storage] * world_size)

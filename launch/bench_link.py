@@ -225,22 +225,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=positive_ints, default=[1, 8, 64],
-                        help="tensor sizes in MiB (bf16 rows of 4096: 1 MiB = 128 tokens)")
+def add_probe_arguments(parser, watchdog: int) -> None:
+    """The timing and watchdog flags of the probes on this host's GPUs (this one, bench_overlap)."""
     parser.add_argument("--trials", type=positive_int, default=5)
     parser.add_argument("--replays", type=positive_int, default=20)
-    parser.add_argument("--sendrecv", action="store_true", help="NCCL send + recv too, last")
-    parser.add_argument("--watchdog", type=positive_int, default=110,
+    parser.add_argument("--watchdog", type=positive_int, default=watchdog,
                         help="seconds before every thread's stack is dumped and the rank exits")
-    args = parser.parse_args(argv)
+
+
+def start_probe(args) -> tuple:
+    """(device, Timer) of this torchrun rank, its NCCL group up and the watchdog armed."""
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
+    return device, Timer(device, args.trials, args.replays)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=positive_ints, default=[1, 8, 64],
+                        help="tensor sizes in MiB (bf16 rows of 4096: 1 MiB = 128 tokens)")
+    parser.add_argument("--sendrecv", action="store_true", help="NCCL send + recv too, last")
+    add_probe_arguments(parser, watchdog=110)
+    args = parser.parse_args(argv)
+    device, timer = start_probe(args)
     group = dist.group.WORLD
-    timer = Timer(device, args.trials, args.replays)
     if dist.get_rank() == 0:
         print(f"{torch.cuda.get_device_name(device)} x {dist.get_world_size()}", flush=True)
     rows = []

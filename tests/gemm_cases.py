@@ -36,6 +36,9 @@ PATTERNS = {
         (OpNode("matmul", ("x", "wm"), ("q",), {"transpose_weight": True}),
          OpNode("silu", ("q",), ("p",)), _AR, OpNode("mul", ("y", "up"), ("o",))),
         ("x", "wm", "up"), ("o",)),
+    # a side after the all_reduce, nothing between it and the matmul
+    "linear_mul": SubGraph((_linear("x", "wm"), _AR, OpNode("mul", ("y", "up"), ("o",))),
+                           ("x", "wm", "up"), ("o",)),
     # a training forward's site: the rsqrt and the all_reduce's value kept too
     "linear_train": SubGraph((_linear("x", "wm"), _AR, _NORM,
                               OpNode(RSTD, ("r",), ("t",), {"eps": 1e-5})),

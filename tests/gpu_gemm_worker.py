@@ -8,8 +8,8 @@ reference (tests/gemm_cases.py: each rank's matmul in fp32 rounded once, the par
 in fp64), bitwise equality across ranks, then CUDA-graph capture and replays with new inputs;
 the plain callable; the engine end to end on the TP decoder's shapes (its candidates, committed
 choice and timings printed). Prints 'ALL OK' last when everything passed. `--chunks`: instead,
-the chunked matmuls (scheduler/backends/symm_chunked.py, not registered: they failed on 2 H100s
-in session 19, docs/notes_symm.md), a side stream under capture too.
+the chunked matmuls (scheduler/backends/symm_chunked.py: the copy engine's copies on a side
+stream), under capture too.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def check_chunks(ctx):
     """Each split at the TP decoder's prefill shape (under capture: the side stream forked and
     joined inside the graph), and smaller rows with a bias, a row side and the training
     outputs, in fp32 and bf16."""
+    from infini_dist.scheduler.backends.symm_chunked import MatmulChunks
     from infini_dist.scheduler.backends.symm_chunked import algorithms as chunked
     algorithms = {a.name: a for a in chunked()}
     for name in algorithms:
@@ -120,10 +121,12 @@ def check_chunks(ctx):
                     torch.bfloat16, ctx)
         check_graph_replay(algorithms[name], "linear_add_rms_norm", (2048, 2048), 4096,
                            torch.bfloat16, ctx, replays=5)
-    chunks = algorithms["matmul_chunks4_p32"]
+    chunks = MatmulChunks(4)  # not offered (slower on 2 H100s): more chunk boundaries checked
     check_eager(chunks, "mm_bias_relu_scale", (4, 130, 96), 200, torch.float32, ctx)
-    check_eager(chunks, "linear_silu_mul", (600, 512), 512, torch.bfloat16, ctx)
+    check_eager(chunks, "linear_mul", (600, 512), 512, torch.bfloat16, ctx)
     check_graph_replay(chunks, "linear_train", (1024, 1024), 2048, torch.bfloat16, ctx)
+    check_graph_replay(algorithms["matmul_ce_chunks2"], "linear_mul", (515, 256), 1000,
+                       torch.float16, ctx)
 
 
 def main():

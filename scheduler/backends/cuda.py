@@ -29,9 +29,11 @@ def _symm_scatter():
 
 def _matmul():
     """Spans starting with the matmul that feeds the all_reduce (config.matmul_prologue)."""
+    from infini_dist.scheduler.backends import symm_chunked
     from infini_dist.scheduler.backends.symm_gemm import GemmOneShot
     from infini_dist.scheduler.backends.torch_mm_rs import TorchMatmulReduceScatter
-    return [("all_reduce", GemmOneShot()), ("all_reduce", TorchMatmulReduceScatter())]
+    return [("all_reduce", GemmOneShot()), ("all_reduce", TorchMatmulReduceScatter())] + [
+        ("all_reduce", split) for split in symm_chunked.algorithms()]
 
 
 for backend in (_nccl_epilogue, _symm, _symm_scatter, _matmul):

@@ -1,34 +1,23 @@
-"""`matmul_chunks{C}_p{P}`: the matmul that feeds an all_reduce (config.matmul_prologue), computed
-by torch (cuBLAS) in C chunks of rows; each chunk's all-reduce and epilogue
-(`one_shot_lamport_streamed` on at most P programs) runs on a side stream as soon as the chunk's
-rows exist, so the reduction of chunk c runs while the GEMM of chunk c + 1 does.
+"""`matmul_ce_chunks{C}`: the matmul that feeds an all_reduce (config.matmul_prologue), computed
+by torch (cuBLAS) in C chunks of rows, each chunk moved to the peers by a copy engine while the
+next chunk's GEMM runs, then reduced with the epilogue (kernels/chunk_reduce.py).
 
 Unfused torch equivalent (w [N, K] with transpose_weight, else [K, N]):
-    y = x @ w.T (+ bias);  y = prologue(y);  dist.all_reduce(y);  out = epilogue(y)
-as run here, the rows of x in C chunks:
-    for each chunk c:  y_c = x[c] @ w.T (+ bias)                  # the caller's stream
-                       out[c] = streamed_all_reduce(y_c)          # the side stream, after y_c
-    then the caller's stream waits for the side stream
+    y = x @ w.T (+ bias);  dist.all_reduce(y);  out = epilogue(y)
+as run here, the rows of x in C chunks, into this rank's slot of a symmetric buffer:
+    caller's stream:  GEMM 0, GEMM 1, reduce 0, GEMM 2, reduce 1, ..., reduce C-1
+    side stream:      after GEMM c, copy chunk c into slot `rank` of every peer (copy engine)
+    reduce c waits for copy c; the caller's stream waits for the last copy before it returns.
 
-Why not gemm_one_shot (kernels/gemm_all_reduce.py), which pushes tiles from inside a Triton GEMM:
-that GEMM trails cuBLAS at prefill sizes, so on two H100s it hid nothing (docs/benchmarks.md,
-"GEMM + all-reduce overlap"). Here the GEMM stays cuBLAS's, and what overlaps is whole chunks.
-The reduction's programs leave the other SMs to the GEMM (P caps them); a Lamport program only
-polls for its peers' rows, so it never waits on a GEMM of its own rank.
+Why a copy engine (`launch/bench_overlap.py`, docs/notes_symm.md "Session 20"): beside a cuBLAS
+GEMM a copy-engine push of 16 MiB was 84-98% hidden, while the streamed Lamport kernel on a side
+stream made the pair slower than the two in sequence (its programs take SMs the GEMM's waves
+need), which is why session 19's split, the streamed kernel per chunk, lost to the unsplit site
+by 20-50%. This one came within 2-4% of the unsplit site at 2048 tokens (the numbers in
+docs/notes_symm.md); the engine times it beside the others and commits it only where it wins.
 
-Each chunk's kernel sums the ranks in rank order, so every rank gets the same bits. The site
-stays synchronous: the side stream is joined before it returns, so no other symmetric-memory
-launch of the group can run beside its chunks, and every rank launches the same chunks in the
-same order (the chunks depend on shapes only).
-
-Not registered with the engine (scheduler/backends/cuda.py): interpreted on CPU ranks it gives
-the reference's values and the same bits on every rank (tests/test_symm_matmul_chunks.py), but
-on 2 H100s (session 19) a compile-time warm-up of a 4-chunk split trapped after the
-symmetric-memory timeout: four launches on the warm-up's scratch, the third polling places the
-first had emptied (`warm_up_split` now launches two; reproduced and tested interpreted). Until
-the GPU check passes with that change, the engine does not offer it:
-`torchrun --nproc-per-node=2 tests/gpu_gemm_worker.py --chunks` (docs/notes_symm.md, "Session
-19").
+Every rank sums the slots in rank order: the same bits everywhere. The site is synchronous, and
+every rank launches the same chunks in the same order (they depend on shapes only).
 """
 
 from __future__ import annotations
@@ -37,21 +26,18 @@ import math
 
 import torch
 
+from infini_dist.kernels import chunk_reduce as kernel_module
 from infini_dist.kernels import symm_buffers
-from infini_dist.kernels.lamport_one_shot_streamed import lamport_one_shot_streamed_all_reduce
+from infini_dist.kernels.symm_buffers import slot_elements
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
-from infini_dist.scheduler.backends.symm import STREAMED_MAX_BUFFER_BYTES, TWO_SHOT_MAX_BYTES
 from infini_dist.scheduler.backends.symm_gemm import GemmPlan, plan_gemm
 from infini_dist.scheduler.backends.symm_launch import PreparedAtFirstCall, warm_up
 from infini_dist.scheduler.choices import Algorithm
 
-# Each chunk's all-reduce and epilogue (a module constant, not an attribute: the engine's
-# SymmAllReduce algorithms are the ones with a `kernel` of their own for the whole span).
-REDUCTION = lamport_one_shot_streamed_all_reduce
-
 # Fewer rows a chunk and the chunks' launches cost more than their overlap saves: the split is
 # for prefill, where one chunk's GEMM takes tens of µs.
 MIN_CHUNK_ROWS = 128
+MAX_BYTES = 32 << 20  # the output; the buffer holds W of it (a 4096-token prefill at 4096 wide)
 
 
 def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -65,46 +51,29 @@ def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _per_row(shape, tail_shape) -> bool | None:
-    """True for an operand laid out like the output (sliced with its rows), False for one the
-    same for every row (a vector over the last dim, a scalar), None for anything else."""
-    if tuple(shape) == tuple(tail_shape):
-        return True
-    return False if all(d == 1 for d in tuple(shape)[:-1]) else None
-
-
 class MatmulChunks(Algorithm):
-    def __init__(self, chunks: int, programs: int, min_chunk_rows: int = MIN_CHUNK_ROWS):
-        self.chunks, self.programs, self.min_chunk_rows = chunks, programs, min_chunk_rows
-        self.name = f"matmul_chunks{chunks}_p{programs}"
-        self._side_streams = {}  # device -> the stream this algorithm's reductions run on
+    def __init__(self, chunks: int, min_chunk_rows: int = MIN_CHUNK_ROWS):
+        self.chunks, self.min_chunk_rows = chunks, min_chunk_rows
+        self.name = f"matmul_ce_chunks{chunks}"
+        self._side_streams = {}  # device -> the stream this algorithm's copies run on
 
     def plan(self, span, meta, ctx) -> GemmPlan | None:
         plan = plan_gemm(span, meta, ctx)
         if plan is None:
             return None
         tail = plan.tail
-        if math.prod(tail.shape[:-1]) < self.chunks * self.min_chunk_rows or any(
-                _per_row(meta[n].shape, tail.shape) is None for n in tail.tensor_inputs[1:]):
-            return None
-        chunk = self._chunk_rows(plan) * tail.shape[-1]
-        if chunk * tail.dtype.itemsize > TWO_SHOT_MAX_BYTES or self.data_bytes(
-                plan, ctx.world_size) > STREAMED_MAX_BUFFER_BYTES:
+        # the GEMM's rows go to the peers as they are: no op between the matmul and the sum
+        if (tail.prologue or math.prod(tail.shape[:-1]) < self.chunks * self.min_chunk_rows
+                or tail.numel * tail.dtype.itemsize > MAX_BYTES):
             return None
         return plan
 
     def supports(self, span, meta, ctx) -> bool:
         return self.plan(span, meta, ctx) is not None
 
-    def _chunk_rows(self, plan: GemmPlan) -> int:
-        """The rows of the largest chunk (chunk_bounds)."""
-        return -(-math.prod(plan.tail.shape[:-1]) // self.chunks)
-
     def data_bytes(self, plan: GemmPlan, world_size: int) -> int:
-        """The streamed kernel's buffer for the largest chunk."""
-        tail = plan.tail
-        return REDUCTION.data_bytes(self._chunk_rows(plan) * tail.shape[-1], tail.dtype.itemsize,
-                                    world_size, tail.row_len, tail.norm)
+        return kernel_module.chunk_reduce_bytes(plan.tail.numel, plan.tail.dtype.itemsize,
+                                                world_size)
 
     def _side_stream(self, device) -> torch.cuda.Stream:
         stream = self._side_streams.get(device)
@@ -117,56 +86,65 @@ class MatmulChunks(Algorithm):
         x = env[plan.x].reshape(-1, plan.k)
         weight = env[plan.w].t() if plan.transpose_weight else env[plan.w]
         bias = env[plan.bias] if plan.bias else None
-        operands = {n: env[n].contiguous() for n in tail.tensor_inputs[1:]}
-        row_wise = {n for n, t in operands.items() if _per_row(t.shape, tail.shape)}
+        tensors = {n: env[n].contiguous() for n in tail.tensor_inputs[1:]}
+        options = tail.launch_options(tensors)
         written = tail.allocate(x.device)
-        width = tail.shape[-1]
+        width, stride, rank = tail.shape[-1], slot_elements(tail.numel), buffer.rank
+        mine = symm_buffers.data_view(buffer, rank, tail.dtype, rank * stride, tail.numel)
+        y = mine.view(-1, width)
+        targets = [symm_buffers.data_view(buffer, peer, tail.dtype, rank * stride, tail.numel)
+                   .view(-1, width) for peer in range(buffer.world_size)]
+        targets = [t for t in targets if t.data_ptr() != y.data_ptr()]  # a scratch's "peers"
         side = self._side_stream(x.device) if x.is_cuda else None
         caller = torch.cuda.current_stream(x.device) if side is not None else None
-        chunks = []  # alive until the join: the side stream reads them after the caller moves on
-        for start, end in chunk_bounds(x.shape[0], self.chunks):
+        bounds = chunk_bounds(x.shape[0], self.chunks)
+        copied = []
+
+        def reduce(c):
+            start, end = bounds[c]
+            if side is not None:
+                caller.wait_event(copied[c])
+            for kernel, grid, args, kwargs in kernel_module.chunk_reduce_launches(
+                    mine.view(tail.shape), buffer, first=start * width,
+                    count=(end - start) * width, last=c == self.chunks - 1, tuning=tuning,
+                    **options, **written):
+                kernel[grid](*args, **kwargs)
+
+        for c, (start, end) in enumerate(bounds):
             rows = x[start:end]
-            y = rows @ weight if bias is None else torch.addmm(bias, rows, weight)
-            chunks.append(y)
-            tensors = {n: t.view(-1, width)[start:end] if n in row_wise else t
-                       for n, t in operands.items()}
-            outputs = {k: t.view(-1, t.shape[-1])[start:end] for k, t in written.items()}
+            if bias is None:
+                torch.mm(rows, weight, out=y[start:end])
+            else:
+                torch.addmm(bias, rows, weight, out=y[start:end])
             if side is None:
-                self._reduce(y, tail, tensors, outputs, buffer, tuning)
-                continue
-            side.wait_stream(caller)  # after this chunk's GEMM
-            with torch.cuda.stream(side):
-                self._reduce(y, tail, tensors, outputs, buffer, tuning)
-        if side is not None:
-            caller.wait_stream(side)
+                for target in targets:
+                    target[start:end].copy_(y[start:end])
+                copied.append(None)
+            else:
+                side.wait_stream(caller)  # after this chunk's GEMM
+                with torch.cuda.stream(side):
+                    for target in targets:
+                        target[start:end].copy_(y[start:end])
+                    copied.append(side.record_event())
+            if c > 0:  # the previous chunk's copy had this chunk's GEMM to hide under
+                reduce(c - 1)
+        reduce(self.chunks - 1)
         return tail.results(written)
-
-    def _reduce(self, y, tail, tensors, outputs, buffer, tuning):
-        kernel, grid, args, kwargs = REDUCTION.launch(
-            y, buffer, tuning=tuning, **tail.launch_options(tensors), **outputs)
-        kernel[(min(grid[0], self.programs),)](*args, **kwargs)
-
-    def warm_up_split(self) -> MatmulChunks:
-        """The split the compile step's warm-up launches: at most two chunks. Its scratch
-        (symm_buffers.local_scratch) has no peer to refill the places a poll empties, so a third
-        launch on it would poll a half that the first emptied, and wait for ever."""
-        return MatmulChunks(min(self.chunks, 2), self.programs, min_chunk_rows=0)
 
     def compile(self, span, meta, ctx):
         plan = self.plan(span, meta, ctx)
-        _, tuning, _ = warm_up(self.warm_up_split(), plan, plan and plan.tensor_inputs, meta,
-                               ctx)
-        data_bytes = self.data_bytes(plan, ctx.world_size)
+        data_bytes, tuning, _ = warm_up(self, plan, plan and plan.tensor_inputs, meta, ctx)
 
         def prepare(env):  # the first call, collective: the group's buffer
-            buffer = symm_buffers.get_buffer(ctx.group, ctx.device, REDUCTION.kind, data_bytes,
-                                             REDUCTION.lamport_width(plan.tail.dtype))
+            buffer = symm_buffers.get_buffer(ctx.group, ctx.device, kernel_module.KIND,
+                                             data_bytes)
             return lambda call_env: self.launch(plan, call_env, buffer, tuning)
         return PreparedAtFirstCall(prepare)
 
 
 def algorithms() -> list[MatmulChunks]:
-    """The splits to offer: two or four chunks, the reduction on 32 programs (about 100 of an
-    H100's 132 SMs left to the GEMM) or on up to 128. Not registered yet (the module's
-    docstring)."""
-    return [MatmulChunks(2, 32), MatmulChunks(4, 32), MatmulChunks(4, 128)]
+    """The splits to offer: two chunks. Four leave a quarter of the transfer after the last GEMM
+    rather than half, but cost the GEMM more (2048 x 7168 -> 4096: +9%, two +1.6%) and add a
+    chunk's launches and barrier twice; on 2 H100s they ran 20% over the unsplit site where two
+    ran 2-4% over it (session 20)."""
+    return [MatmulChunks(2)]

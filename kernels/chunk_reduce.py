@@ -1,0 +1,88 @@
+"""The reduction of one row chunk of an all-reduce whose data a copy engine delivered: the second
+half of `matmul_ce_chunks` (scheduler/backends/symm_chunked.py), which keeps the GEMM on cuBLAS
+and moves its rows to the peers by copy engine, chunk by chunk, under the next chunk's GEMM.
+
+Unfused torch equivalent, for the chunk's elements [first, first + count) of y:
+    dist.all_reduce(y);  out = epilogue(y)      # every op rounds to y.dtype
+
+Before the launch, every rank r has put its y's chunk into slot r of every rank's buffer (its
+own slot by the GEMM's output, the peers' by copies on a copy engine) and only then launched
+the reduction (its stream waits for the copies). So a barrier before it proves that every
+peer's chunk has landed here. Then the W slots are summed in rank order 0..W-1 in fp32 and
+rounded once, the same numbers in the same order on every rank: bitwise identical results. The
+chunk's epilogue outputs are stored at their global offsets (the whole tensors are passed).
+
+Reuse: the slots have one region, no halves, because a copy's destination is fixed when a CUDA
+graph is captured (a device-side call counter cannot steer it). The last chunk of a call ends
+with a second barrier: once it returns on a rank, every peer has read its slots, so that rank's
+next call may overwrite them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from infini_dist.kernels.symm_buffers import slot_elements
+from infini_dist.kernels.symm_chain import fused_arguments, round_to
+from infini_dist.kernels.symm_device import DEFAULT_TUNING, finish, item_range
+from infini_dist.kernels.symm_signal import block_barrier, peer_pointer, world_size_pow2
+
+KIND = "matmul_ce_chunks"  # its own buffers: no other protocol's launches touch its slots
+MAX_GRID = 1 << 16  # programs of a reduction; each takes items pid, pid + grid, ...
+
+
+@triton.jit(do_not_specialize=["rank", "timeout_ns"])
+def chunk_barrier_kernel(signal_table, rank, timeout_ns, WORLD_SIZE: tl.constexpr,
+                         WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+    """One program: every rank's arrival here (its own, then a kernel boundary, orders what
+    comes after it on this rank's stream)."""
+    block_barrier(signal_table, rank, 0, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
+
+
+@triton.jit(do_not_specialize=["rank"])  # one compiled kernel for every rank
+def chunk_reduce_kernel(x_ptr, epilogue, data_table, first, count, slot_stride, rank,
+                        EPILOGUE: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
+                        WORLD_SIZE: tl.constexpr):
+    dtype = x_ptr.dtype.element_ty
+    column = tl.arange(0, BLOCK)
+    local = peer_pointer(data_table, rank, dtype) + first
+    for item in range(tl.program_id(0).to(tl.int64), tl.cdiv(count, ITEM), tl.num_programs(0)):
+        offset, mask = item_range(item, column, count, ITEM)  # int64 offsets
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for source in tl.static_range(WORLD_SIZE):
+            total += tl.load(local + source * slot_stride + offset, mask=mask,
+                             other=0.0).to(tl.float32)
+        finish(round_to(total, dtype), first + offset, column, mask, epilogue, EPILOGUE, ITEM)
+
+
+def chunk_reduce_bytes(numel: int, element_size: int, world_size: int) -> int:
+    """Data bytes a call of `numel` elements needs: one slot per rank."""
+    return world_size * slot_elements(numel) * element_size
+
+
+def chunk_reduce_launches(y, buffer, out, first: int, count: int, last: bool, *,
+                          tuning=DEFAULT_TUNING, **options) -> list[tuple]:
+    """[(kernel, grid, args, kwargs)] reducing y's elements [first, first + count) (a whole
+    number of rows where a norm follows): the barrier, the reduction, and where `last` the
+    barrier again. y: the whole tensor whose chunks the slots hold (its dtype and size set the
+    layout), `out` and the options as in symm_chain.fused_arguments.
+
+    The barriers are kernels of one program, not the reduction's own first and last steps: a
+    barrier per program would cap the reduction's grid at the signal slots (MAX_PROGRAMS), and
+    128 programs left it at half the memory's speed (2 H100s, session 20: 22-27 µs for 1024
+    rows x 4096 bf16)."""
+    if options.get("prologue"):
+        raise ValueError("chunk_reduce: the slots hold the values to sum; no prologue")
+    layout, head, kwargs = fused_arguments(y, buffer, out, fold_row_max=tuning.fold_row_max,
+                                           **options)
+    del kwargs["PROLOGUE"], kwargs["WS_P2"], kwargs["ON_GPU"]
+    barrier = (chunk_barrier_kernel, (1,),
+               (buffer.signal_table, buffer.rank, tuning.timeout_ns),
+               dict(WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
+                    ON_GPU=y.is_cuda, num_warps=1))
+    grid = max(1, min(triton.cdiv(count, layout.item), MAX_GRID))
+    reduce = (chunk_reduce_kernel, (grid,),
+              (head[0], head[2], buffer.data_table, first, count, slot_elements(y.numel()),
+               buffer.rank), kwargs)
+    return [barrier, reduce] + ([barrier] if last else [])

@@ -1,0 +1,163 @@
+"""How much of an all-reduce's transfer a GEMM running beside it hides, by mechanism, on the
+GPUs of one host: the measurement an async site rests on (issue #27: the backward all-reduces
+under the weight-gradient GEMMs), and what splitting a GEMM into row chunks costs (issue #26
+item 4, `scheduler/backends/symm_chunked.py`).
+
+    torchrun --standalone --nproc-per-node=2 -m infini_dist.launch.bench_overlap [--tokens 2048]
+
+bf16, hidden 4096, the TP decoder's GEMMs at TP = W (Llama-3-8B widths), every row under
+CUDA-graph replay, µs per call, max over ranks:
+  gemm NAME            the GEMM alone (cuBLAS)
+  gemm NAME / C        the same GEMM as C matmuls over row chunks, nothing else running
+  TRANSFER             the all-reduce's transfer alone: `ce_push` (a copy engine writing this
+                       rank's tokens x 4096 into every peer's symmetric buffer), `nccl_ar`,
+                       `streamed` / `streamed_pP` (one_shot_lamport_streamed, AR + add +
+                       RMSNorm, on its own grid or on P programs)
+  TRANSFER | gemm NAME the transfer started first on a side stream, the GEMM on the caller's
+                       stream, then joined; hidden = (gemm + transfer - pair) / transfer
+Every transfer's result is checked after its pair ran: the copies on their receivers, the
+streamed kernel against the fp32 reference and for the same bits on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from infini_dist.launch.arguments import positive_int
+from infini_dist.launch.bench_knobs import error_and_agreement
+from infini_dist.launch.bench_link import (HIDDEN, Link, add_probe_arguments, source,
+                                           start_probe)
+
+MLP, HEADS, KV_HEADS, HEAD_DIM = 14336, 32, 8, 128
+
+
+def gemms(tokens: int, world: int, device) -> dict:
+    """name -> (a, b): the decoder's forward row-parallel GEMMs (x @ w.T, whose output is the
+    all-reduce's input) and the backward weight-gradient GEMMs (dy.T @ x) that an input
+    gradient's all-reduce could run under."""
+    seeds = itertools.count(300)
+
+    def randn(*shape):
+        return source(next(seeds), shape[0] * shape[1], device).view(shape)
+    mlp, qkv = MLP // world, (HEADS + 2 * KV_HEADS) * HEAD_DIM // world
+    o_in = HEADS * HEAD_DIM // world
+    return {"down (fwd)": (randn(tokens, mlp), randn(HIDDEN, mlp).t()),
+            "o_proj (fwd)": (randn(tokens, o_in), randn(HIDDEN, o_in).t()),
+            "dW gate_up": (randn(tokens, 2 * mlp).t(), randn(tokens, HIDDEN)),
+            "dW qkv": (randn(tokens, qkv).t(), randn(tokens, HIDDEN))}
+
+
+def in_chunks(a, b, chunks: int):
+    """(out, run): run computes a @ b into out as `chunks` matmuls over row chunks."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    bounds = torch.linspace(0, a.shape[0], chunks + 1).round().long().tolist()
+
+    def run():
+        for start, end in zip(bounds, bounds[1:]):
+            torch.mm(a[start:end], b, out=out[start:end])
+    return out, run
+
+
+def beside(transfer, gemm, side: torch.cuda.Stream):
+    """The transfer first, on `side`, the GEMM on the caller's stream, then joined."""
+    def run():
+        caller = torch.cuda.current_stream()
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            transfer()
+        gemm()
+        caller.wait_stream(side)
+    return run
+
+
+def transfers(tokens: int, group, device):
+    """name -> (callable, check): check(run) clears the transfer's result, calls run (the
+    transfer alone or beside a GEMM) once and says whether the result is right."""
+    from infini_dist.kernels.lamport_one_shot_streamed import (
+        lamport_one_shot_streamed_all_reduce)
+    link = Link(tokens * HIDDEN, group, device)
+    x = link.mine.view(tokens, HIDDEN)
+    residual = source(100, x.numel(), device).view(tokens, HIDDEN)  # replicated, as in TP
+    weight = source(200, HIDDEN, device)
+    launch, grid, args, kwargs, results = lamport_one_shot_streamed_all_reduce.bind(
+        x, residual=residual, weight=weight, group=group)
+    data = x.clone()
+
+    def streamed_ok(run):
+        results[0].fill_(0.0)
+        run()
+        error, same = error_and_agreement(results, x, residual, weight, None)[:2]
+        return f"max abs error {error:.3g}, " + ("same bits" if same else "RANKS DIFFER")
+
+    def ce_ok(run):
+        link.clear()
+        torch.cuda.synchronize(device)
+        dist.barrier()  # every receiver cleared before any sender copies
+        run()
+        return "received" if link.received(pulled=False) else "WRONG DATA"
+    rows = {"ce_push": (link.ce_push, ce_ok),
+            "nccl_ar": (lambda: dist.all_reduce(data, group=group), lambda run: "")}
+    for programs in (None, 32):
+        name = "streamed" if programs is None else f"streamed_p{programs}"
+        programs = grid[0] if programs is None else min(grid[0], programs)
+        rows[name] = ((lambda p=programs: launch[(p,)](*args, **kwargs)), streamed_ok)
+    return rows
+
+
+def table(rows: list[tuple]) -> str:
+    lines = ["| row | µs | gemm + transfer alone | hidden | check |", "|---|---|---|---|---|"]
+    for name, us, alone, hidden, check in rows:
+        lines.append(f"| {name} | {us:.1f} | {alone} | {hidden} | {check} |")
+    return "\n".join(lines)
+
+
+def sweep(tokens: int, group, device, timer) -> list[tuple]:
+    rank0 = dist.get_rank() == 0
+    rows = []
+
+    def add(name, us, alone="", hidden="", check=""):
+        rows.append((name, us, alone, hidden, check))
+        if rank0:
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    alone = {}
+    operands = gemms(tokens, dist.get_world_size(group), device)
+    for name, (a, b) in operands.items():
+        alone[name] = timer.graph(lambda a=a, b=b: a @ b) * 1e6
+        add(f"gemm {name}", alone[name])
+        if name.endswith("(fwd)"):
+            for chunks in (2, 4):
+                add(f"gemm {name} / {chunks}", timer.graph(in_chunks(a, b, chunks)[1]) * 1e6)
+    side = torch.cuda.Stream(device)
+    for t_name, (transfer, check) in transfers(tokens, group, device).items():
+        t_alone = timer.graph(transfer) * 1e6
+        add(t_name, t_alone, check=check(transfer))
+        for g_name, (a, b) in operands.items():
+            run = beside(transfer, lambda a=a, b=b: a @ b, side)
+            pair = timer.graph(run) * 1e6
+            hidden = (alone[g_name] + t_alone - pair) / t_alone
+            add(f"{t_name} \\| gemm {g_name}", pair, f"{alone[g_name] + t_alone:.1f}",
+                f"{hidden:.0%}", check(run))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=positive_int, default=2048)
+    add_probe_arguments(parser, watchdog=150)
+    args = parser.parse_args(argv)
+    device, timer = start_probe(args)
+    if dist.get_rank() == 0:
+        print(f"{torch.cuda.get_device_name(device)} x {dist.get_world_size()}, "
+              f"{args.tokens} tokens", flush=True)
+    rows = sweep(args.tokens, dist.group.WORLD, device, timer)
+    if dist.get_rank() == 0:
+        print(table(rows), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
