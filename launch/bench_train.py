@@ -41,8 +41,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from infini_dist.launch import collective_free, shutdown
-from infini_dist.launch.arguments import (add_model_sizes, names, nonempty_ints, nonnegative_int,
-                                          parse, positive_float, positive_int, usage_error)
+from infini_dist.launch.arguments import (add_matmul_prologue, add_model_sizes, names,
+                                          nonempty_ints, nonnegative_int, parse, positive_float,
+                                          positive_int, usage_error)
 from infini_dist.launch.bench_model import setup
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 
@@ -161,7 +162,8 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
     floor = collective_free.CollectiveFree()
     # the whole variant under its settings: the sites look their executors up by them
     with infini_dist.config.patch(benchmark_cuda_graphs=variant != "infini_dist_eager_timing",
-                                  backward_sites=variant != "infini_dist_forward_overlap"):
+                                  backward_sites=variant != "infini_dist_forward_overlap",
+                                  matmul_prologue=args.matmul_prologue):
         if variant == "inductor":
             forward = torch.compile(model)
         elif variant == "inductor_overlap":
@@ -257,6 +259,7 @@ def add_arguments(parser):
     parser.add_argument("--one-rank-symm", action="store_true",
                         help="offer the symmetric-memory kernels at one rank (one GPU: the "
                              "pass's device-side cost without communication)")
+    add_matmul_prologue(parser)
     add_model_sizes(parser, layers=4)
 
 
@@ -293,6 +296,7 @@ def main(argv=None) -> int:
         meta = {"world_size": dist.get_world_size(), "model": asdict(args.model),
                 "dtype": str(dtype).replace("torch.", ""), "steps": args.steps,
                 "warmup": args.warmup, "lr": args.lr, "tol": tol, "torch": torch.__version__,
+                "matmul_prologue": args.matmul_prologue,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)

@@ -109,6 +109,24 @@ def test_the_overlap_peer_runs_compute_between_an_all_reduce_and_its_wait(tmp_pa
     assert plain[0] == 0 and overlap[0] >= 1, (plain, overlap)
 
 
+def test_train_bench_with_the_matmul_prologue(tmp_path):
+    """Training with config.matmul_prologue: the forward sites take their row-parallel
+    projection (the backward needs the matmul's inputs, never its output), and the loss curve
+    is plain compile's."""
+    out = tmp_path / "out"
+    run = run_cli(tmp_path, "bench", "--train", "--nproc", "2", *TINY, "--out", str(out),
+                  "--variants", "inductor,infini_dist", "--matmul-prologue", timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["matmul_prologue"] is True
+    rows = {r["variant"]: r for r in data["rows"]}
+    ops = rows["infini_dist"]["site_ops"]
+    assert "matmul+all_reduce+add_rms_norm+rms_rstd" in ops, ops
+    assert any(o.startswith("all_reduce+") for o in ops), ops  # the backward's, no matmul
+    verdict = {v["variant"]: v for v in data["verdicts"]}["infini_dist"]
+    assert verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4, verdict
+
+
 def test_train_bench_arguments():
     args = bench_train.parse_args(["--tokens", "64,128", "--steps", "4", "--warmup", "2"])
     assert args.tokens == [64, 128] and args.model.context == 128 and not args.cpu_smoke
