@@ -61,12 +61,13 @@ def chunk_reduce_bytes(numel: int, element_size: int, world_size: int) -> int:
     return world_size * slot_elements(numel) * element_size
 
 
-def chunk_reduce_launches(y, buffer, out, first: int, count: int, last: bool, *,
-                          tuning=DEFAULT_TUNING, **options) -> list[tuple]:
-    """[(kernel, grid, args, kwargs)] reducing y's elements [first, first + count) (a whole
-    number of rows where a norm follows): the barrier, the reduction, and where `last` the
-    barrier again. y: the whole tensor whose chunks the slots hold (its dtype and size set the
-    layout), `out` and the options as in symm_chain.fused_arguments.
+def chunk_reduce_launches(y, buffer, out, chunks: list[tuple[int, int]], *,
+                          tuning=DEFAULT_TUNING, **options) -> list[list[tuple]]:
+    """For each chunk (first, count) of y's elements (a whole number of rows where a norm
+    follows), its [(kernel, grid, args, kwargs)]: the barrier, the reduction, and after the last
+    chunk the barrier again. y: the whole tensor whose chunks the slots hold (its dtype and size
+    set the layout), `out` and the options as in symm_chain.fused_arguments, packed once for
+    every chunk.
 
     The barriers are kernels of one program, not the reduction's own first and last steps: a
     barrier per program would cap the reduction's grid at the signal slots (MAX_PROGRAMS), and
@@ -81,8 +82,11 @@ def chunk_reduce_launches(y, buffer, out, first: int, count: int, last: bool, *,
                (buffer.signal_table, buffer.rank, tuning.timeout_ns),
                dict(WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
                     ON_GPU=y.is_cuda, num_warps=1))
-    grid = max(1, min(triton.cdiv(count, layout.item), MAX_GRID))
-    reduce = (chunk_reduce_kernel, (grid,),
-              (head[0], head[2], buffer.data_table, first, count, slot_elements(y.numel()),
-               buffer.rank), kwargs)
-    return [barrier, reduce] + ([barrier] if last else [])
+    stride = slot_elements(y.numel())
+    launches = []
+    for first, count in chunks:
+        grid = max(1, min(triton.cdiv(count, layout.item), MAX_GRID))
+        launches.append([barrier, (chunk_reduce_kernel, (grid,), (
+            head[0], head[2], buffer.data_table, first, count, stride, buffer.rank), kwargs)])
+    launches[-1].append(barrier)
+    return launches

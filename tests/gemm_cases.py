@@ -91,6 +91,20 @@ def widen_interpreted_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def run_interpreted(monkeypatch, rank_fn, world_size: int, cases, data_bytes: int) -> None:
+    """rank_fn(rank, world_size, storages, cases) on `world_size` ranks under Triton's
+    interpreter, over shared CPU buffers of `data_bytes` standing in for symmetric memory, then
+    `check_rank_results` of what each returned."""
+    from infini_dist.kernels.symm_buffers import header_bytes
+    from multirank import run_ranks
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # spawned ranks inherit it before importing triton
+    storage = [torch.zeros(header_bytes(world_size) + data_bytes, dtype=torch.uint8)
+               .share_memory_() for _ in range(world_size)]
+    per_rank = run_ranks(rank_fn, world_size, storage, cases, timeout=300,
+                         env={"TRITON_INTERPRET": "1"})
+    check_rank_results(per_rank)
+
+
 def check_rank_results(per_rank) -> None:
     """Per-rank lists of (case, error, digest), case[2] its dtype's name: every error within
     the tolerance (looser in bf16: the interpreter's rounding truncates), the same bits on

@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from gemm_cases import (PATTERNS, check_rank_results, make_inputs, meta_of,
-                        widen_interpreted_bf16_dot)
-from multirank import SAFE_GPU_ENV, run_process, run_ranks
+import gemm_cases
+from gemm_cases import PATTERNS, make_inputs, meta_of, widen_interpreted_bf16_dot
+from multirank import SAFE_GPU_ENV, run_process
 from symm_cases import digest, full_span, max_error, reference
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -73,13 +73,7 @@ def interpreted_rank(rank, world_size, storage, cases):
 
 
 def run_interpreted(monkeypatch, world_size, cases):
-    from infini_dist.kernels.symm_buffers import header_bytes
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # spawned ranks inherit it before importing triton
-    storage = [torch.zeros(header_bytes(world_size) + (1 << 20), dtype=torch.uint8)
-               .share_memory_() for _ in range(world_size)]
-    per_rank = run_ranks(interpreted_rank, world_size, storage, cases, timeout=300,
-                         env={"TRITON_INTERPRET": "1"})
-    check_rank_results(per_rank)
+    gemm_cases.run_interpreted(monkeypatch, interpreted_rank, world_size, cases, 1 << 20)
 
 
 def test_interpreted_two_ranks(monkeypatch):

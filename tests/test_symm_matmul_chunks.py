@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_cases import PATTERNS, check_rank_results, make_inputs, meta_of
+import gemm_cases
+from gemm_cases import PATTERNS, make_inputs, meta_of
 from multirank import run_ranks
 from symm_cases import digest, full_span, max_error, reference
 
@@ -42,13 +43,7 @@ def interpreted_rank(rank, world_size, storage, cases):
 
 
 def run_interpreted(monkeypatch, world_size, cases):
-    from infini_dist.kernels.symm_buffers import header_bytes
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # spawned ranks inherit it before importing triton
-    storage = [torch.zeros(header_bytes(world_size) + (1 << 17), dtype=torch.uint8)
-               .share_memory_() for _ in range(world_size)]
-    per_rank = run_ranks(interpreted_rank, world_size, storage, cases, timeout=300,
-                         env={"TRITON_INTERPRET": "1"})
-    check_rank_results(per_rank)
+    gemm_cases.run_interpreted(monkeypatch, interpreted_rank, world_size, cases, 1 << 17)
 
 
 def test_interpreted_two_ranks(monkeypatch):
@@ -128,5 +123,5 @@ def test_a_chunk_reduce_takes_no_prologue():
     from infini_dist.kernels.symm_chain import ChainOp
     y = torch.randn(4, 8)
     with pytest.raises(ValueError, match="no prologue"):
-        chunk_reduce_launches(y, local_scratch(2, 0, 1024, "cpu"), torch.empty_like(y), 0, 32,
-                            True, prologue=(ChainOp(1),))
+        chunk_reduce_launches(y, local_scratch(2, 0, 1024, "cpu"), torch.empty_like(y),
+                              [(0, 32)], prologue=(ChainOp(1),))

@@ -98,16 +98,16 @@ class MatmulChunks(Algorithm):
         side = self._side_stream(x.device) if x.is_cuda else None
         caller = torch.cuda.current_stream(x.device) if side is not None else None
         bounds = chunk_bounds(x.shape[0], self.chunks)
+        reductions = kernel_module.chunk_reduce_launches(
+            mine.view(tail.shape), buffer,
+            chunks=[(start * width, (end - start) * width) for start, end in bounds],
+            tuning=tuning, **options, **written)
         copied = []
 
         def reduce(c):
-            start, end = bounds[c]
             if side is not None:
                 caller.wait_event(copied[c])
-            for kernel, grid, args, kwargs in kernel_module.chunk_reduce_launches(
-                    mine.view(tail.shape), buffer, first=start * width,
-                    count=(end - start) * width, last=c == self.chunks - 1, tuning=tuning,
-                    **options, **written):
+            for kernel, grid, args, kwargs in reductions[c]:
                 kernel[grid](*args, **kwargs)
 
         for c, (start, end) in enumerate(bounds):
@@ -116,16 +116,12 @@ class MatmulChunks(Algorithm):
                 torch.mm(rows, weight, out=y[start:end])
             else:
                 torch.addmm(bias, rows, weight, out=y[start:end])
-            if side is None:
+            if side is not None:
+                side.wait_stream(caller)  # after this chunk's GEMM
+            with torch.cuda.stream(side):  # None (off the GPU): the copies in order, here
                 for target in targets:
                     target[start:end].copy_(y[start:end])
-                copied.append(None)
-            else:
-                side.wait_stream(caller)  # after this chunk's GEMM
-                with torch.cuda.stream(side):
-                    for target in targets:
-                        target[start:end].copy_(y[start:end])
-                    copied.append(side.record_event())
+                copied.append(side.record_event() if side is not None else None)
             if c > 0:  # the previous chunk's copy had this chunk's GEMM to hide under
                 reduce(c - 1)
         reduce(self.chunks - 1)
