@@ -15,7 +15,10 @@ import types
 
 from infini_dist.scheduler.settings import AUTO, Settings
 
-FUSION_TYPES = ("epilogue", "prologue", "cross_subgraph")
+# overlap: independent work right before a collective (a backward graph's weight-gradient
+# GEMMs) joins its site, so that a choice may run it while the collective is in flight.
+FUSION_TYPES = ("epilogue", "prologue", "cross_subgraph", "overlap")
+DEFAULT_FUSION_TYPES = ("epilogue", "prologue", "cross_subgraph")
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -96,7 +99,7 @@ def _token_buckets(name, value):
 # name -> (default, validator)
 FLAGS = {
     "enable_custom_op_fusion": (True, check_bool),
-    "custom_op_fusion_types": (FUSION_TYPES, _fusion_types),
+    "custom_op_fusion_types": (DEFAULT_FUSION_TYPES, _fusion_types),
     "enable_recursive_fusion": (True, check_bool),
     "max_fusion_depth": (5, check_nonneg_int),  # GPT-NeoX: 2 bias adds, 2 adds, LayerNorm
     # The compile pass also takes the matmul (mm, addmm, linear) that produces an all_reduce's

@@ -51,8 +51,10 @@ def chunk_reduce_kernel(x_ptr, epilogue, data_table, first, count, slot_stride, 
         offset, mask = item_range(item, column, count, ITEM)  # int64 offsets
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for source in tl.static_range(WORLD_SIZE):
-            total += tl.load(local + source * slot_stride + offset, mask=mask,
-                             other=0.0).to(tl.float32)
+            values = local + source * slot_stride
+            if source == rank:  # this rank's own values are read where they are
+                values = x_ptr + first
+            total += tl.load(values + offset, mask=mask, other=0.0).to(tl.float32)
         finish(round_to(total, dtype), first + offset, column, mask, epilogue, EPILOGUE, ITEM)
 
 
@@ -65,9 +67,10 @@ def chunk_reduce_launches(y, buffer, out, chunks: list[tuple[int, int]], *,
                           tuning=DEFAULT_TUNING, **options) -> list[list[tuple]]:
     """For each chunk (first, count) of y's elements (a whole number of rows where a norm
     follows), its [(kernel, grid, args, kwargs)]: the barrier, the reduction, and after the last
-    chunk the barrier again. y: the whole tensor whose chunks the slots hold (its dtype and size
-    set the layout), `out` and the options as in symm_chain.fused_arguments, packed once for
-    every chunk.
+    chunk the barrier again. y: this rank's values, contiguous (its own slot, or the tensor the
+    peers' slots were copied from: the reduction reads this rank's share from y and every
+    peer's from its slot); its dtype and size set the layout. `out` and the options as in
+    symm_chain.fused_arguments, packed once for every chunk.
 
     The barriers are kernels of one program, not the reduction's own first and last steps: a
     barrier per program would cap the reduction's grid at the signal slots (MAX_PROGRAMS), and

@@ -18,8 +18,9 @@ infini_dist: compile_model(model), after rounds of one forward and backward that
 site, so that sites decided native stay Inductor's code; inductor_overlap and
 infini_dist_overlap: the same two with Inductor's compute/communication overlap options,
 OVERLAP; infini_dist_forward_overlap: the latter with config.backward_sites off;
-collective_free: torch.compile(model) with every collective of its forward and backward graphs
-a local no-op, the floor of issue #27's target, launch/collective_free.py), a fresh model with
+infini_dist_wgrad: the pass with the "overlap" fusion type, each backward site running its
+weight-gradient GEMMs beside its all_reduce; collective_free: torch.compile(model) with every
+collective of its forward and backward graphs a local no-op, the floor of issue #27's target, launch/collective_free.py), a fresh model with
 the same weights trains --steps steps;
 after --warmup steps (compile and tuning) each step is timed, median per rank, max over ranks.
 The pass's loss curves must agree with inductor's within --tol (bf16 noise on GPU); exit status
@@ -55,9 +56,12 @@ from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 # infini_dist_overlap: the pass under the same Inductor options, as such a user would add it;
 # infini_dist_forward_overlap: the same with config.backward_sites off, so the backward
 # all-reduces stay NCCL's under Inductor's overlap and only the forward sites are ours.
+# infini_dist_wgrad: the pass with the "overlap" fusion type, so that each backward site takes
+# the weight-gradient GEMMs it can run beside its all_reduce (scheduler/backends/symm_overlap.py).
 FLOOR = "collective_free"
+WGRAD = "infini_dist_wgrad"
 VARIANTS = ("inductor", "inductor_overlap", "infini_dist", "infini_dist_overlap",
-            "infini_dist_forward_overlap", "infini_dist_eager_timing", FLOOR)
+            "infini_dist_forward_overlap", "infini_dist_eager_timing", WGRAD, FLOOR)
 OVERLAP = {"reorder_for_compute_comm_overlap": True,  # config.py's recommended passes
            "reorder_for_compute_comm_overlap_passes": [
                "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
@@ -160,10 +164,13 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
     torch._dynamo.reset()
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)  # seeded: same weights
     floor = collective_free.CollectiveFree()
+    types = infini_dist.config.custom_op_fusion_types
     # the whole variant under its settings: the sites look their executors up by them
     with infini_dist.config.patch(benchmark_cuda_graphs=variant != "infini_dist_eager_timing",
                                   backward_sites=variant != "infini_dist_forward_overlap",
-                                  matmul_prologue=args.matmul_prologue):
+                                  matmul_prologue=args.matmul_prologue,
+                                  custom_op_fusion_types=types + ("overlap",) * (
+                                      variant == WGRAD)):
         if variant == "inductor":
             forward = torch.compile(model)
         elif variant == "inductor_overlap":
@@ -181,7 +188,11 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
     row.update(variant=variant, tokens=tokens, optimizer=optimizer,
                sites=idc.stats["sites"] - sites_before,
                native_sites=idc.stats["native_sites"] - native_before,
-               site_ops=sorted({d["op"] for d in ran}))
+               site_ops=sorted({d["op"] for d in ran}),
+               # each tuned site's committed choice and every choice's time (max over ranks)
+               decided=[{"op": d["op"], "choice": d["choice"], "times_us": {
+                   name: round(t * 1e6, 1) for name, t in d.get("times_s", {}).items()}}
+                        for d in ran])
     if variant == FLOOR:
         row.update(floor.counts())
     return row
@@ -246,7 +257,7 @@ def add_arguments(parser):
                         help="tokens per step, comma-separated")
     parser.add_argument("--variants", type=names(VARIANTS),
                         default=f"inductor,inductor_overlap,infini_dist,infini_dist_overlap,"
-                                f"infini_dist_forward_overlap,{FLOOR}",
+                                f"infini_dist_forward_overlap,{WGRAD},{FLOOR}",
                         help=f"comma-separated, among {','.join(VARIANTS)} (inductor always runs)")
     parser.add_argument("--optimizers", type=names(OPTIMIZERS), default="foreach",
                         help="AdamW implementations, each timed with every variant: foreach, "

@@ -3,8 +3,9 @@
     python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         -m infini_dist.launch.profile_train --tokens 2048 --out prof_out
 
-Per variant: bench_train's step (after --warmup steps), then a torch.profiler trace of --steps
-steps on rank 0, summarised as GPU time per kernel category, NCCL time hidden under compute
+Per variant of --variants among inductor, infini_dist and infini_dist_wgrad (AdamW foreach):
+bench_train's step (after --warmup steps), then a torch.profiler trace of --prof-steps steps
+on rank 0, summarised as GPU time per kernel category, NCCL time hidden under compute
 (overlap), and each site's candidate timings and decision. Traces go to --out (gzipped).
 """
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from infini_dist.launch import shutdown
 from infini_dist.launch.bench_model import setup
-from infini_dist.launch.bench_train import (TrainDecoder, decide_then_recompile,
+from infini_dist.launch.bench_train import (WGRAD, TrainDecoder, decide_then_recompile,
                                             parse_args as train_args, train_curve)
 
 CATEGORIES = (  # first match wins
@@ -82,12 +83,20 @@ def summarise(trace: dict, steps: int) -> dict:
 
 
 def profile_variant(variant, args, device, dtype, control, out):
+    import infini_dist
+    types = infini_dist.config.custom_op_fusion_types
+    with infini_dist.config.patch(custom_op_fusion_types=types + ("overlap",) * (
+            variant == WGRAD)):
+        return _profile(variant, args, device, dtype, control, out)
+
+
+def _profile(variant, args, device, dtype, control, out):
     import infini_dist.compile as idc
     torch._dynamo.reset()
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)
     forward = decide_then_recompile(model, args.tokens[0], args, device, dtype) \
-        if variant == "infini_dist" else torch.compile(model)
-    row = train_curve(model, forward, args.tokens[0], args, device, dtype, control)
+        if variant != "inductor" else torch.compile(model)
+    row = train_curve(model, forward, args.tokens[0], "foreach", args, device, dtype, control)
     x = torch.randn(1, args.tokens[0], args.model.hidden, device=device).to(dtype)
     target = torch.randn(1, args.tokens[0], args.model.hidden, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -112,7 +121,7 @@ def profile_variant(variant, args, device, dtype, control, out):
             g.write(f.read())
         os.remove(path)
         result.update(summarise(trace, args.prof_steps))
-        if variant == "infini_dist":
+        if variant != "inductor":
             result["sites"] = [{"op": d["op"], "choice": d["choice"],
                                 "outputs": json.loads(d["subgraph"])["outputs"],
                                 "times_us": {n: round(t * 1e6, 1) for n, t in
@@ -131,7 +140,7 @@ def main(argv=None) -> int:
     device, dtype, control = setup(args)
     os.makedirs(args.out, exist_ok=True)
     results = {v: profile_variant(v, args, device, dtype, control, args.out)
-               for v in ("inductor", "infini_dist")}
+               for v in args.variants if v in ("inductor", "infini_dist", WGRAD)}
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "profile.json"), "w") as f:
             json.dump(results, f, indent=1)

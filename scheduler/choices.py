@@ -63,10 +63,11 @@ class FusedSpan:
     prologue: tuple[int, ...]
     anchors: tuple[int, ...]
     epilogue: tuple[int, ...]
+    beside: tuple[int, ...] = ()  # work run while the collective is in flight (runs_beside)
 
     @property
     def indices(self) -> tuple[int, ...]:
-        return tuple(sorted(self.prologue + self.anchors + self.epilogue))
+        return tuple(sorted(self.beside + self.prologue + self.anchors + self.epilogue))
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -82,7 +83,7 @@ class FusedSpan:
     @property
     def fuses_anything(self) -> bool:
         """False for a lone anchor: its algorithm then runs the collective alone."""
-        return bool(self.prologue or self.epilogue or len(self.anchors) > 1)
+        return bool(self.beside or self.prologue or self.epilogue or len(self.anchors) > 1)
 
 
 Runner = Callable[[dict], dict]
@@ -95,6 +96,9 @@ class Algorithm:
     ranks would disagree on the choice set (which the engine detects and reports).
     """
     name: str = "algorithm"
+    # True: the algorithm takes a site's beside work into its span and is offered only where
+    # there is some; every other algorithm's choices run that work first, natively.
+    runs_beside: bool = False
 
     def supports(self, span: FusedSpan, meta: dict[str, TensorMeta], ctx: RunContext) -> bool:
         raise NotImplementedError
@@ -286,15 +290,19 @@ def _fused_choices(graph, root, site, meta, ctx, prefix, prefix_name, fusion_typ
                               enable_fusion and "epilogue" in fusion_types, recursive)
     choices = []
     for algorithm in algorithms_for(anchor_op, ctx.device.type):
+        if algorithm.runs_beside and not site.beside:
+            continue
+        beside = site.beside if algorithm.runs_beside else ()
+        first = [("nodes", site.beside)] if site.beside and not beside else []
         for p in prologue_depths:
             fused_prologue = tuple(sorted(i for chain in site.prologue_of
                                           for i in chain[len(chain) - min(p, len(chain)):]))
             unfused_prologue = tuple(i for i in site.prologue if i not in fused_prologue)
             for e in epilogue_depths:
-                span = FusedSpan(graph, fused_prologue, site.anchors, site.epilogue[:e])
+                span = FusedSpan(graph, fused_prologue, site.anchors, site.epilogue[:e], beside)
                 if not algorithm.supports(span, meta, ctx):
                     continue
-                steps = list(prefix)
+                steps = first + list(prefix)
                 if unfused_prologue:
                     steps.append(("nodes", unfused_prologue))
                 steps.append(("span", span))

@@ -196,10 +196,13 @@ class Site:
     prologue: tuple[int, ...]
     epilogue: tuple[int, ...]
     prologue_of: tuple[tuple[int, ...], ...] = field(default=())  # prologue chain per anchor
+    # Independent work right before the site (fusion type "overlap"), which a choice may run
+    # while the collective is in flight; every other choice runs it first, as it is.
+    beside: tuple[int, ...] = ()
 
     @property
     def region(self) -> tuple[int, ...]:
-        return self.prologue + self.anchors + self.epilogue
+        return self.beside + self.prologue + self.anchors + self.epilogue
 
     @property
     def first(self) -> int:
@@ -287,6 +290,20 @@ def is_gather_tail(graph: SubGraph, anchors: tuple[int, ...], epilogue, index: i
     return node.inputs[0] in {n for i in epilogue for n in graph.nodes[i].outputs}
 
 
+def beside_run(graph: SubGraph, first: int, last: int, taken: set) -> tuple[int, ...]:
+    """The nodes right before node `first` that may run beside a collective (op_registry's
+    "beside" position: a weight-gradient GEMM), none in `taken`; none where a node up to `last`
+    (the site's last) reads one of them: the work must not feed the site."""
+    start = first
+    while (start > 0 and start - 1 not in taken
+           and op_registry.may_fuse(graph.nodes[start - 1].op_type, "beside")):
+        start -= 1
+    made = {name for i in range(start, first) for name in graph.nodes[i].outputs}
+    if any(made.intersection(graph.nodes[i].inputs) for i in range(first, last + 1)):
+        return ()
+    return tuple(range(start, first))
+
+
 def _coalescable_runs(graph: SubGraph) -> list[tuple[int, ...]]:
     """Maximal runs of adjacent all_reduces on one group, none reading another's output."""
     runs: list[tuple[int, ...]] = []
@@ -310,7 +327,8 @@ def _coalescable_runs(graph: SubGraph) -> list[tuple[int, ...]]:
 
 
 def find_sites(graph: SubGraph, fusion_types: Iterable[str] = ("epilogue", "prologue",
-                                                               "cross_subgraph")) -> list[Site]:
+                                                               "cross_subgraph", "overlap")
+               ) -> list[Site]:
     """Every anchor of the graph with its boundary, in execution order. Regions never overlap."""
     fusion_types = set(fusion_types)
     grouped: dict[int, tuple[int, ...]] = {}
@@ -335,7 +353,11 @@ def find_sites(graph: SubGraph, fusion_types: Iterable[str] = ("epilogue", "prol
                     if "epilogue" in fusion_types and op_type != "all_gather" else ())
         seen.update(epilogue)  # a span's closing all_gather is no anchor of its own
         prologue = tuple(sorted(i for chain in per_anchor for i in chain))
-        sites.append(Site(anchors, prologue, epilogue, per_anchor))
+        beside = ()
+        if "overlap" in fusion_types and op_type == "all_reduce" and len(anchors) == 1:
+            beside = beside_run(graph, min(prologue + anchors), max(anchors + epilogue), seen)
+            seen.update(beside)
+        sites.append(Site(anchors, prologue, epilogue, per_anchor, beside))
     return sites
 
 

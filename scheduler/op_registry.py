@@ -26,6 +26,9 @@ FUSION_RULES: dict[str, frozenset[str]] = {
     # matmul_prologue: the head of an all_reduce's prologue, the GEMM whose partial products
     # the reduction sums (a row-parallel projection)
     "matmul": frozenset({"matmul_prologue"}),
+    # beside: independent work a site runs while its collective is in flight (fusion type
+    # "overlap"): a weight-gradient GEMM beside the input gradient's all_reduce
+    "beside": frozenset({"beside"}),
     "collective": frozenset(),
     "custom": frozenset(),
     "opaque": frozenset(),
@@ -252,7 +255,29 @@ def matmul_native(x, w, bias=None, transpose_weight: bool = False):
     return out.reshape(shape)
 
 
+def _weight_gradient_operands(dy, x):
+    if dy.dim() < 1 or x.dim() < 1 or dy.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"weight_gradient: dy [..., N] and x [..., K] with the same rows, got "
+                         f"{tuple(dy.shape)} and {tuple(x.shape)}")
+    return dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+
+
+def weight_gradient(dy, x):
+    """dy^T @ x over the rows: a linear's weight gradient, [N, K] (F.linear's weight layout).
+    Reference: fp32 products and sums, rounded once to dy's dtype."""
+    dy, x = _weight_gradient_operands(dy, x)
+    return (dy.float().t() @ x.float()).to(dy.dtype)
+
+
+def weight_gradient_native(dy, x):
+    """As the backward graph spells it: mm(permute(dy), x), in dy's dtype."""
+    dy, x = _weight_gradient_operands(dy, x)
+    return torch.mm(dy.t(), x)
+
+
 _REGISTRY["matmul"] = RegisteredOp("matmul", matmul, "matmul", native=matmul_native)
+_REGISTRY["weight_gradient"] = RegisteredOp("weight_gradient", weight_gradient, "beside",
+                                            num_inputs=2, native=weight_gradient_native)
 _REGISTRY["all_reduce"] = RegisteredOp("all_reduce", all_reduce, "collective", outputs_per_input=True)
 _REGISTRY["reduce_scatter"] = RegisteredOp("reduce_scatter", reduce_scatter, "collective",
                                      num_inputs=1, fake=_reduce_scatter_fake)

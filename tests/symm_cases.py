@@ -126,7 +126,7 @@ PATTERNS = ("plain", "add_rms_norm", TRAIN, "rms_norm+rstd", "relu_scale", "swig
 
 def full_span(graph: SubGraph) -> FusedSpan:
     site = find_sites(graph)[0]
-    return FusedSpan(graph, site.prologue, site.anchors, site.epilogue)
+    return FusedSpan(graph, site.prologue, site.anchors, site.epilogue, site.beside)
 
 
 def make_inputs(graph, shape, dtype, rank, call, device="cpu") -> dict:
@@ -155,7 +155,7 @@ def meta_from(graph, inputs: dict, device_type="cuda") -> dict:
     `device_type` (the all_reduce's value: one rank's partial, same shape and dtype)."""
     env = dict(inputs)
     site = find_sites(graph)[0]
-    run_nodes(graph, site.prologue, env, CPU)
+    run_nodes(graph, site.beside + site.prologue, env, CPU)
     anchor = graph.nodes[site.anchors[0]]
     env[anchor.outputs[0]] = env[anchor.inputs[0]].clone()
     run_nodes(graph, site.epilogue, env, CPU)
@@ -169,7 +169,7 @@ def reference(graph, inputs_per_rank: list, rank: int) -> dict:
     site = find_sites(graph)[0]
     envs = [dict(values) for values in inputs_per_rank]
     for env in envs:
-        run_nodes(graph, site.prologue, env, CPU)
+        run_nodes(graph, site.beside + site.prologue, env, CPU)
     anchor = graph.nodes[site.anchors[0]]
     source = anchor.inputs[0]
     total = sum(env[source].double() for env in envs).to(envs[rank][source].dtype)

@@ -43,10 +43,15 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
         ops = rows[variant]["site_ops"]
         assert "all_reduce+add_rms_norm+rms_rstd" in ops
         assert any(o.startswith("all_reduce+") and "rms" not in o for o in ops)  # backward's
+    # with the "overlap" fusion type the backward sites take their layer's weight gradient:
+    # gate_up's (the norm backward's two muls after it) and qkv's (one mul)
+    wgrad = rows[bench_train.WGRAD]["site_ops"]
+    assert {"weight_gradient+all_reduce+mul+mul", "weight_gradient+all_reduce+mul"} <= set(
+        wgrad), wgrad
     verdicts = {v["variant"]: v for v in data["verdicts"]}
     assert set(verdicts) == {"inductor_overlap", "infini_dist", "infini_dist_overlap",
                              "infini_dist_forward_overlap", "infini_dist_eager_timing",
-                             bench_train.FLOOR}
+                             bench_train.WGRAD, bench_train.FLOOR}
     # config.backward_sites off: the two forward sites only, the backward left to Inductor
     forward_only = rows["infini_dist_forward_overlap"]
     assert forward_only["sites"] + forward_only["native_sites"] == 2, forward_only
@@ -55,7 +60,8 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
     assert not any("mul" in o for o in forward_only["site_ops"]), forward_only
     assert verdicts["infini_dist_forward_overlap"]["loss_rel_diff"] < 1e-4
     assert verdicts["inductor_overlap"]["loss_ok"] and rows["inductor_overlap"]["sites"] == 0
-    for variant in ("infini_dist", "infini_dist_overlap", "infini_dist_eager_timing"):
+    for variant in ("infini_dist", "infini_dist_overlap", "infini_dist_eager_timing",
+                    bench_train.WGRAD):
         verdict = verdicts[variant]
         assert verdict["tokens"] == 16 and verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4
         assert verdict["over_floor"] == pytest.approx(
@@ -158,3 +164,24 @@ def test_one_rank_symm_offers_the_symm_kernels_at_one_rank(monkeypatch):
     plan = symm.plan_span(span, meta, one)
     assert plan is not None and plan == symm.plan_span(
         span, meta, RunContext(None, 2, 0, torch.device("cuda")))
+
+
+def test_profile_train_runs_its_variants_on_cpu(tmp_path):
+    """launch/profile_train.py (a trace of the step per variant) on 2 gloo ranks: it shares
+    bench_train's step, so a change there must not leave it behind."""
+    import sys
+
+    from multirank import launch_env, run_process
+    out = tmp_path / "prof"
+    run = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node=2", "-m", "infini_dist.launch.profile_train", *TINY,
+                       "--variants", f"inductor,{bench_train.WGRAD}", "--prof-steps", "1",
+                       "--out", str(out)], env=launch_env(tmp_path), timeout=400,
+                      cwd=str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads((out / "profile.json").read_text())
+    assert set(results) == {"inductor", bench_train.WGRAD}
+    assert all(r["step_ms"] > 0 for r in results.values())
+    # the variant's sites, the backward's with their weight gradients
+    assert any(s["op"].startswith("weight_gradient+all_reduce")
+               for s in results[bench_train.WGRAD]["sites"])

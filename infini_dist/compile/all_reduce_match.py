@@ -8,7 +8,10 @@ Pattern (post-grad FX, after Inductor's decompositions):
   - with cross_subgraph, the all_reduces right after it on the same group that can run with it
     join the site (coalesced: one site, several anchors),
   - with config.matmul_prologue, the mm / addmm / linear producing `p` heads its prologue chain
-    (compile/matmul_match.py).
+    (compile/matmul_match.py),
+  - with the "overlap" fusion type, the weight-gradient GEMMs that read the same output
+    gradient as the GEMMs making `p` (a backward graph) join the site as work beside it
+    (compile/matmul_match.py's weight_gradients).
 
 Replacement:
 
@@ -24,7 +27,7 @@ import torch.fx as fx
 
 from infini_dist.compile import matching
 from infini_dist.compile.anchors import FxOp, collective_anchor, is_collective
-from infini_dist.compile.matmul_match import matmul_producer
+from infini_dist.compile.matmul_match import matmul_producer, weight_gradients
 from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.settings import Settings
 
@@ -68,4 +71,8 @@ def find_site(g: matching.GraphIndex, anchor: FxOp, settings: Settings) -> match
     matmul = settings.matmul_prologue and anchor.op_type in op_registry.MATMUL_ANCHORS
     site = matching.with_prologues(anchors, settings, matmul_producer if matmul else None)
     matching.grow_epilogue(g, site, settings)
-    return matching.trim(g, site)
+    site = matching.trim(g, site)
+    if "overlap" in settings.custom_op_fusion_types and len(site.anchors) == 1:
+        site.beside = weight_gradients(g.order, site.anchors[0].inputs[0],
+                                       matching.insertion_point(g, site), site.nodes)
+    return site

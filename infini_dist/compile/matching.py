@@ -40,10 +40,12 @@ class FxSite:
     anchors: list
     prologue_of: list  # per anchor, its prologue ops, producer first
     epilogue: list = field(default_factory=list)
+    beside: list = field(default_factory=list)  # independent work (scheduler/ir.py's Site)
 
     @property
     def ops(self) -> list:
-        return [op for chain in self.prologue_of for op in chain] + self.anchors + self.epilogue
+        return (self.beside + [op for chain in self.prologue_of for op in chain] + self.anchors
+                + self.epilogue)
 
     @property
     def nodes(self) -> frozenset:
@@ -256,7 +258,8 @@ def _folds_into(epilogue: list, match) -> bool:
 # ---- placement and assembly ---------------------------------------------------------------------
 
 def insertion_point(g: GraphIndex, site: FxSite) -> fx.Node:
-    compute = [n for op in site.ops for n in op.nodes - op.projections]
+    # beside work is placed with the site, wherever it stood (its readers all come later)
+    compute = [n for op in site.ops[len(site.beside):] for n in op.nodes - op.projections]
     return max(compute, key=g.order.get)
 
 

@@ -105,3 +105,76 @@ def matmul_producer(value, consumers: frozenset) -> FxOp | None:
             or (bias is not None and not _same(_shape(bias), _shape(value)[-1:]))):
         return None  # a bias over rows too (addmm's broadcast) is no linear's bias
     return FxOp("matmul", tensors, [value], {"transpose_weight": transpose}, frozenset(nodes))
+
+
+# ---- beside an all_reduce: the weight gradients of the GEMMs that made its input -----------------
+#
+# In a backward graph a column-parallel linear's input gradient is a partial sum that the
+# all_reduce completes, and the same linear's weight gradient reads the same output gradient:
+#
+#     G = view(grad_out, [rows, N])
+#     dx = mm(G, W)                       (or several such GEMMs added: q, k and v apart)
+#     all_reduce(view(dx))                <- the anchor
+#     dw = mm(permute(G, [1, 0]), x)      (Inductor may place it before or after dx)
+#
+# becomes weight_gradient(G, x) -> dw, beside the site, so that a choice may run the GEMM while
+# the collective is in flight (fusion type "overlap"). Only GEMMs whose every reader comes after
+# the site: the site is one op at its last node, and nothing in it may need them.
+
+_WALK = 16  # nodes walked back from the all_reduce's input to the GEMMs that make it
+
+
+def _gradient_operands(value) -> list:
+    """The left operands of the mm / addmm nodes whose sum (through views and adds) is
+    `value`."""
+    found, stack, steps = [], [value], 0
+    while stack and steps < _WALK:
+        node = stack.pop()
+        steps += 1
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            continue
+        if node.target in _VIEWS:
+            stack.append(node.args[0])
+        elif node.target is aten.add.Tensor and not node.kwargs:
+            stack.extend(node.args[:2])
+        elif _gemm(node) is not None:
+            found.append(_gemm(node)[0])
+    return found
+
+
+def _aliases(grad) -> list:
+    """`grad` and the other views of its source with its shape (the same rows, spelled twice
+    where the graph was not deduplicated)."""
+    if not (grad.op == "call_function" and grad.target in _VIEWS
+            and isinstance(grad.args[0], fx.Node)):
+        return [grad]
+    return [grad] + [v for v in grad.args[0].users if v is not grad and v.op == "call_function"
+                     and v.target in _VIEWS and is_tensor(v) and _same(_shape(v), _shape(grad))]
+
+
+def weight_gradients(order: dict, value, after: fx.Node, taken: frozenset) -> list:
+    """weight_gradient FxOps for the GEMMs beside the all_reduce of `value` (the comment above),
+    in graph order; `after`: the node the site will be placed at, `order`: graph positions."""
+    ops = []
+    operands = [a for g in _gradient_operands(value) if isinstance(g, fx.Node) for a in _aliases(g)]
+    for grad in dict.fromkeys(operands):
+        if not is_tensor(grad) or value_of(grad).dim() != 2:
+            continue
+        for transpose in grad.users:
+            if not (transpose.op == "call_function" and _is_transpose(transpose)):
+                continue
+            for gemm in transpose.users:
+                if (gemm in taken or gemm.target is not aten.mm.default or gemm.kwargs
+                        or gemm.args[0] is not transpose):
+                    continue
+                x = gemm.args[1]
+                if not (is_tensor(x) and is_tensor(gemm) and value_of(x).dim() == 2
+                        and _same(_shape(x)[:1], _shape(grad)[:1])
+                        and value_of(x).dtype == value_of(grad).dtype == value_of(gemm).dtype
+                        and value_of(x).dtype.is_floating_point
+                        and order[x] < order[after]
+                        and all(order[u] > order[after] for u in gemm.users)):
+                    continue
+                nodes = {gemm} | ({transpose} if _private(transpose, frozenset([gemm])) else set())
+                ops.append(FxOp("weight_gradient", [grad, x], [gemm], {}, frozenset(nodes)))
+    return sorted(ops, key=lambda op: order[next(iter(op.outputs))])

@@ -36,7 +36,13 @@ def _matmul():
         ("all_reduce", split) for split in symm_chunked.algorithms()]
 
 
-for backend in (_nccl_epilogue, _symm, _symm_scatter, _matmul):
+def _overlap():
+    """Sites with work beside their all_reduce (the "overlap" fusion type)."""
+    from infini_dist.scheduler.backends.symm_overlap import algorithms
+    return [("all_reduce", algorithm) for algorithm in algorithms()]
+
+
+for backend in (_nccl_epilogue, _symm, _symm_scatter, _matmul, _overlap):
     try:
         algorithms = backend()
     except Exception as error:  # noqa: BLE001 - a missing backend must not break the others

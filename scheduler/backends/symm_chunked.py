@@ -31,7 +31,7 @@ from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.symm_buffers import slot_elements
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning
 from infini_dist.scheduler.backends.symm_gemm import GemmPlan, plan_gemm
-from infini_dist.scheduler.backends.symm_launch import PreparedAtFirstCall, warm_up
+from infini_dist.scheduler.backends.symm_launch import SideStreams, compile_on_buffer
 from infini_dist.scheduler.choices import Algorithm
 
 # Fewer rows a chunk and the chunks' launches cost more than their overlap saves: the split is
@@ -55,7 +55,7 @@ class MatmulChunks(Algorithm):
     def __init__(self, chunks: int, min_chunk_rows: int = MIN_CHUNK_ROWS):
         self.chunks, self.min_chunk_rows = chunks, min_chunk_rows
         self.name = f"matmul_ce_chunks{chunks}"
-        self._side_streams = {}  # device -> the stream this algorithm's copies run on
+        self._side_stream = SideStreams()  # where this algorithm's copies run
 
     def plan(self, span, meta, ctx) -> GemmPlan | None:
         plan = plan_gemm(span, meta, ctx)
@@ -74,12 +74,6 @@ class MatmulChunks(Algorithm):
     def data_bytes(self, plan: GemmPlan, world_size: int) -> int:
         return kernel_module.chunk_reduce_bytes(plan.tail.numel, plan.tail.dtype.itemsize,
                                                 world_size)
-
-    def _side_stream(self, device) -> torch.cuda.Stream:
-        stream = self._side_streams.get(device)
-        if stream is None:
-            stream = self._side_streams[device] = torch.cuda.Stream(device)
-        return stream
 
     def launch(self, plan: GemmPlan, env: dict, buffer, tuning: SymmTuning = DEFAULT_TUNING):
         tail = plan.tail
@@ -129,13 +123,9 @@ class MatmulChunks(Algorithm):
 
     def compile(self, span, meta, ctx):
         plan = self.plan(span, meta, ctx)
-        data_bytes, tuning, _ = warm_up(self, plan, plan and plan.tensor_inputs, meta, ctx)
-
-        def prepare(env):  # the first call, collective: the group's buffer
-            buffer = symm_buffers.get_buffer(ctx.group, ctx.device, kernel_module.KIND,
-                                             data_bytes)
-            return lambda call_env: self.launch(plan, call_env, buffer, tuning)
-        return PreparedAtFirstCall(prepare)
+        return compile_on_buffer(self, plan, meta, ctx, kernel_module.KIND,
+                                 lambda buffer, env, tuning, fast: lambda call_env: self.launch(
+                                     plan, call_env, buffer, tuning))
 
 
 def algorithms() -> list[MatmulChunks]:

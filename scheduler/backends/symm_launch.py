@@ -80,6 +80,28 @@ def warm_up(algorithm, plan, names, meta, ctx) -> tuple[int, SymmTuning, bool]:
     return data_bytes, tuning, ctx.settings.fast_launch if ctx.settings is not None else True
 
 
+def compile_on_buffer(algorithm, plan, meta, ctx, kind: str, bind) -> "PreparedAtFirstCall":
+    """`algorithm`'s runner for `plan`: its warm-up now, and at the first call (collective) the
+    group's buffer of `kind` and `bind(buffer, env, tuning, fast)`, what every call runs."""
+    data_bytes, tuning, fast = warm_up(algorithm, plan, plan and plan.tensor_inputs, meta, ctx)
+    return PreparedAtFirstCall(lambda env: bind(
+        symm_buffers.get_buffer(ctx.group, ctx.device, kind, data_bytes), env, tuning, fast))
+
+
+class SideStreams:
+    """One side stream per device, made at first use: where an algorithm's copy-engine copies
+    run beside the caller's stream (symm_chunked, symm_overlap)."""
+
+    def __init__(self):
+        self._streams = {}
+
+    def __call__(self, device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+
 class PreparedAtFirstCall:
     """A runner that calls `prepare(env)` at its first call, then what it returned (kept as
     `prepared`) at every call. The first call is collective (the buffer's allocation and
