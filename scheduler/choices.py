@@ -290,9 +290,11 @@ def _fused_choices(graph, root, site, meta, ctx, prefix, prefix_name, fusion_typ
                               enable_fusion and "epilogue" in fusion_types, recursive)
     choices = []
     for algorithm in algorithms_for(anchor_op, ctx.device.type):
-        if algorithm.runs_beside and not site.beside:
+        # a registered algorithm need not subclass Algorithm: no attribute, no beside work
+        runs_beside = getattr(algorithm, "runs_beside", False)
+        if runs_beside and not site.beside:
             continue
-        beside = site.beside if algorithm.runs_beside else ()
+        beside = site.beside if runs_beside else ()
         first = [("nodes", site.beside)] if site.beside and not beside else []
         for p in prologue_depths:
             fused_prologue = tuple(sorted(i for chain in site.prologue_of

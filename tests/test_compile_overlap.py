@@ -117,12 +117,19 @@ def test_choices_run_the_beside_work_first_or_take_it():
         def supports(self, span, meta, ctx):
             return True
 
+    class DuckTyped:  # a registered algorithm need not subclass Algorithm
+        name = "test_duck_typed"
+
+        def supports(self, span, meta, ctx):
+            return True
+
     graph = SubGraph((OpNode("weight_gradient", ("g", "a"), ("dw",)),
                       OpNode("all_reduce", ("x",), ("y",)), OpNode("mul", ("y", "s"), ("o",))),
                      ("g", "a", "x", "s"), ("dw", "o"))
     ctx = RunContext(None, 2, 0, torch.device("cpu"))
     meta = meta_of(graph, (4, 8), torch.float32, "cpu")
     register_algorithm("all_reduce", "cpu", Takes())
+    register_algorithm("all_reduce", "cpu", DuckTyped())
     try:
         choices = {c.name: c for c in generate_choices(
             graph, find_sites(graph, ON)[0], meta, ctx, fusion_types=ON, max_depth=2,
@@ -132,9 +139,11 @@ def test_choices_run_the_beside_work_first_or_take_it():
             recursive=True)}
     finally:
         unregister_algorithm("all_reduce", "cpu", "test_takes_beside")
+        unregister_algorithm("all_reduce", "cpu", "test_duck_typed")
     assert choices["native"].steps == [("nodes", (0, 1, 2))]
     takes = [c for name, c in choices.items() if name.startswith("test_takes_beside")]
     assert takes and all(c.span.beside == (0,) and c.steps[0][0] == "span" for c in takes)
     others = [c for name, c in choices.items() if name != "native" and c not in takes]
     assert others and all(c.steps[0] == ("nodes", (0,)) and c.span.beside == () for c in others)
+    assert any(name.startswith("test_duck_typed") for name in choices)
     assert not any(name.startswith("test_takes_beside") for name in plain)  # nothing beside
