@@ -145,7 +145,7 @@ def forced_rows(args, device, built) -> list[tuple]:
     """Per token count, NCCL, then each choice forced (C++ path, and the Python path of it)."""
     import infini_dist
     from infini_dist import ops
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     rows = []
     for index, tokens in enumerate(args.tokens):
         x, residual, weight = inputs_for(tokens, args.hidden, device)
@@ -157,7 +157,7 @@ def forced_rows(args, device, built) -> list[tuple]:
             # settings of their own per row: fresh executors and decision-cache keys
             threshold = 1.0 + 1e-6 * (1 + 10 * index + number)
             with infini_dist.config.patch(fusion_speedup_threshold=threshold):
-                engine.timing_hook = lambda medians, p=name: {
+                STORE.timing_hook = lambda medians, p=name: {
                     n: 0.5 if n.startswith(p + "[") and n.endswith("e1]") else 2.0
                     for n in medians}
                 call()
@@ -176,7 +176,7 @@ def forced_rows(args, device, built) -> list[tuple]:
                 if args.layers:
                     rows += [(tokens, f"  {label}", "", us, float("nan"), float("nan"))
                              for label, us in layers(x, residual, weight)]
-        engine.timing_hook = None
+        STORE.timing_hook = None
     return rows
 
 

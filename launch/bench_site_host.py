@@ -95,7 +95,7 @@ def main(argv=None) -> None:
 
     import infini_dist
     import infini_dist.compile as idc
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     dynamo_config.cache_size_limit = 64
     if args.one_rank_symm:
         from infini_dist.kernels import express
@@ -127,7 +127,7 @@ def main(argv=None) -> None:
                 threshold = 1.0 + 1e-6 * (1 + index * 10 + number)
                 with infini_dist.config.patch(fusion_speedup_threshold=threshold,
                                               express_ops=express_ops):
-                    engine.timing_hook = hook
+                    STORE.timing_hook = hook
                     torch._dynamo.reset()
                     compiled = idc.compile_model(block, recompile_decided=recompile)
                     error = float((compiled(x, residual)[0].double() - ref).norm() / ref.norm())
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
                     note = f", {idc.recompiles(compiled)} recompiles" if recompile else ""
                     rows[f"pass, {variant}"] = timed(compiled, (x, residual)) + (
                         f"{error:.1e}{note}",)
-            engine.timing_hook = None
+            STORE.timing_hook = None
             for name, (host, wall, error) in rows.items():
                 print(f"| {tokens} | {name} | {host:.1f} | {wall:.1f} | {error} |")
     dist.destroy_process_group()

@@ -87,9 +87,9 @@ def force(algorithm: str) -> None:
     algorithm would never be timed. (Session 18's forced one_shot_scatter_gather run loaded
     the symm_scatter_gather process's decisions that way.)"""
     import infini_dist
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     infini_dist.config.enable_disk_cache = False
-    engine.timing_hook = prefer(algorithm)
+    STORE.timing_hook = prefer(algorithm)
 
 
 class Run:

@@ -37,9 +37,6 @@ from infini_dist.scheduler.store import STORE
 
 log = logging.getLogger("infini_dist")
 
-# Test hook: transforms this rank's medians before they are shared (inject timing noise).
-timing_hook = None
-
 
 class SiteRunner:
     """One site of one graph: its decision per token bucket, compiled per exact signature."""
@@ -311,8 +308,9 @@ class SiteRunner:
                 continue
             survivors.append(choice)
         medians = lockstep.time_choices(self.settings, survivors, values, ctx, plane)
-        if timing_hook is not None:
-            medians = lockstep.agreed(s, plane, "vote", lambda: timing_hook(dict(medians)))
+        hook = STORE.timing_hook
+        if hook is not None:
+            medians = lockstep.agreed(s, plane, "vote", lambda: hook(dict(medians)))
         all_medians = plane.all_gather(medians, "timings") if plane else [medians]
         worst = {n: max(m[n] for m in all_medians) for n in medians}
         survivors = [c for c in survivors if c.name in medians]

@@ -38,6 +38,9 @@ class DecisionStore:
         self.entries: dict = {}  # eager op name or compiled site text -> Entry
         # Tuned records by cache key, in memory (disk: cache.py), with hit and miss counts.
         self.records = DecisionCache()
+        # Test hook: transforms this rank's medians before they are shared (timing noise,
+        # a forced winner); None in use.
+        self.timing_hook = None
 
     # ---- written by the engine -------------------------------------------------------------
     def site_key(self, graph, settings, compiled: bool, anchor: int) -> tuple:

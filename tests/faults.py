@@ -82,7 +82,7 @@ class FaultyAlgorithm:
 def install(fault: Fault | None, warmup: int, group_rank: int):
     """Register the faulty algorithm and make it look fastest, so only a drop keeps it from
     winning. Returns an undo function."""
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler.choices import register_algorithm, unregister_algorithm
 
     def hook(medians):
@@ -91,10 +91,10 @@ def install(fault: Fault | None, warmup: int, group_rank: int):
         return {n: (1e-9 if n.startswith("faulty") else t) for n, t in medians.items()}
     if fault is not None:
         register_algorithm("all_reduce", "cpu", FaultyAlgorithm(fault, warmup))
-    engine.timing_hook = hook
+    STORE.timing_hook = hook
 
     def undo():
-        engine.timing_hook = None
+        STORE.timing_hook = None
         unregister_algorithm("all_reduce", "cpu", FaultyAlgorithm.name)
     return undo
 

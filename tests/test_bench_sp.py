@@ -64,10 +64,10 @@ def test_prefer_ranks_the_forced_algorithm_deepest_first():
 
 def test_a_forced_process_neither_loads_nor_leaves_decisions(monkeypatch):
     import infini_dist
-    from infini_dist.scheduler import engine
-    monkeypatch.setattr(engine, "timing_hook", None)
+    from infini_dist.scheduler.store import STORE
+    monkeypatch.setattr(STORE, "timing_hook", None)
     with infini_dist.config.patch(enable_disk_cache=True):
         bench_sp.force("one_shot_scatter_gather")
         assert infini_dist.config.snapshot().enable_disk_cache is False
-        times = engine.timing_hook({"native": 1.0, "one_shot_scatter_gather[p0,e2]": 9.0})
+        times = STORE.timing_hook({"native": 1.0, "one_shot_scatter_gather[p0,e2]": 9.0})
         assert min(times, key=times.get) == "one_shot_scatter_gather[p0,e2]"

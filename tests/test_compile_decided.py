@@ -55,7 +55,7 @@ def recompile_rank(rank, world_size):
 
     import infini_dist
     from infini_dist.scheduler.ir import subgraph_from_text
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler.choices import register_algorithm
 
     _own_inductor_cache(rank)
@@ -74,18 +74,18 @@ def recompile_rank(rank, world_size):
     result = {"uuid_before": FUSION_PASS.uuid()}
     try:
         with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
-            engine.timing_hook = _slow_fused
+            STORE.timing_hook = _slow_fused
             args = inputs(4)
             result["native"] = [_compile_and_run(block, args) for _ in range(3)]
             result["uuid_after"] = FUSION_PASS.uuid()  # FX graph cache: graphs kept apart
             result["native_eager"] = block(*args)
             register_algorithm("all_reduce", "cpu", _bare_algorithm())
-            engine.timing_hook = _bare_fastest
+            STORE.timing_hook = _bare_fastest
             args = inputs(16)
             result["bare"] = [_compile_and_run(block, args) for _ in range(2)]
             result["bare_eager"] = block(*args)
     finally:
-        engine.timing_hook = None
+        STORE.timing_hook = None
     for key in ("native", "bare"):  # site texts -> their ops, for the assertions
         result[key] = [(out, sites, native, ["+".join(n.op_type for n in
                                                        subgraph_from_text(t).nodes)

@@ -128,13 +128,13 @@ def fp8_rank(rank, world, names):
     import torch.distributed as dist
 
     import infini_dist.compile as idc
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     _own_inductor_cache(rank)
     group = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(SHAPE, generator=gen)
     residual = torch.randn(SHAPE, generator=torch.Generator().manual_seed(11))
-    engine.timing_hook = _deepest_fused
+    STORE.timing_hook = _deepest_fused
     results = {}
     try:
         for name in names:
@@ -154,7 +154,7 @@ def fp8_rank(rank, world, names):
                              "calls": [([t.float() for t in got], [t.float() for t in want])
                                        for got, want in calls]}
     finally:
-        engine.timing_hook = None
+        STORE.timing_hook = None
     return results
 
 

@@ -171,10 +171,10 @@ def _matmul_spans_win(medians):
 def tp_block_rank(rank, world):
     import infini_dist
     import infini_dist.compile as idc
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     infini_dist.config.matmul_prologue = True
     full, block, x = sharded_block(rank, world)
-    engine.timing_hook = _matmul_spans_win
+    STORE.timing_hook = _matmul_spans_win
     with torch.no_grad():
         reference, eager = full(x), block(x)
         out = idc.compile_model(block, recompile_decided=False)(x)

@@ -30,7 +30,7 @@ def recompile_rank(rank, world_size):
 
     import infini_dist
     import infini_dist.compile as idc
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
 
     _own_inductor_cache(rank)
     group = dist.group.WORLD.group_name
@@ -59,7 +59,7 @@ def recompile_rank(rank, world_size):
     result = {}
     try:
         with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
-            engine.timing_hook = _slow_fused
+            STORE.timing_hook = _slow_fused
             torch._dynamo.reset()
             x, residual = inputs(4)
             weight = module.weight.detach().clone()
@@ -77,7 +77,7 @@ def recompile_rank(rank, world_size):
             plain = idc.compile_model(block, recompile_decided=False)
             result["off"] = calls(plain, (x, residual, weight), block(x, residual, weight), n=3)
     finally:
-        engine.timing_hook = None
+        STORE.timing_hook = None
     return result
 
 

@@ -36,6 +36,7 @@ def expected(world_size, rows=4, hidden=16):
 def noisy_trials(rank, world_size, trials):
     import infini_dist
     from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler.cache import DECISIONS
     rng = random.Random(1000 * rank + 17)
     local_picks = []
@@ -46,7 +47,7 @@ def noisy_trials(rank, world_size, trials):
         local_picks.append(min(sorted(noisy), key=noisy.get))
         return noisy
 
-    engine.timing_hook = noise
+    STORE.timing_hook = noise
     committed = []
     with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1, enable_disk_cache=False):
         settings = infini_dist.config.snapshot()
@@ -104,11 +105,12 @@ class _FailingAlgorithm:
 def failing_choices(rank, world_size):
     import infini_dist
     from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler.choices import register_algorithm
     for how in ("precompile", "run", "wrong"):
         register_algorithm("all_reduce", "cpu", _FailingAlgorithm(how, bad_rank=1))
     # make the flaky choices look fastest, so only dropping them keeps them from winning
-    engine.timing_hook = lambda m: {n: (1e-9 if n.startswith("flaky") else t) for n, t in
+    STORE.timing_hook = lambda m: {n: (1e-9 if n.startswith("flaky") else t) for n, t in
                                     m.items()}
     with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1):
         executor = engine.executor_for(ar_block_graph(), infini_dist.config.snapshot())

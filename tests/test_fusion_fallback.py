@@ -10,7 +10,7 @@ import torch
 
 import infini_dist
 from infini_dist.fusion import FusionConfig, FusionScheduler, OpNode, SubGraph
-from infini_dist.scheduler import engine
+from infini_dist.scheduler.store import STORE
 from infini_dist.scheduler.control import ControlPlaneError
 
 from fusion_api_ops import (FLAKY, assert_correct, prefer_fused,  # noqa: F401 - fixtures
@@ -122,7 +122,7 @@ def flaky_all_reduce_rank(rank, world_size):
 
     unregister_algorithm("all_reduce", "cpu", "torch_fused")
     register_algorithm("all_reduce", "cpu", BreaksLater())
-    engine.timing_hook = lambda medians: {n: t * (1e3 if n == "native" else 1.0)
+    STORE.timing_hook = lambda medians: {n: t * (1e3 if n == "native" else 1.0)
                                           for n, t in medians.items()}
     xs = [torch.randn(8, 256, generator=torch.Generator().manual_seed(10 + r))
           for r in range(world_size)]

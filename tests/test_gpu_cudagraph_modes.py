@@ -162,7 +162,7 @@ def _rank(rank, world_size, llama_path):
     import torch._dynamo
     import infini_dist
     import infini_dist.compile as idc
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     for name in ("recompile_limit", "cache_size_limit"):  # one entry per mode and shape
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
@@ -184,7 +184,7 @@ def _rank(rank, world_size, llama_path):
         def error_in_warmup():
             def fail(medians):
                 raise RuntimeError("injected tuning failure")
-            engine.timing_hook = fail
+            STORE.timing_hook = fail
             # 3x16 tokens: a bucket (<= 64) no earlier step decided. The llama steps share the
             # decoder's site graph (hidden 1024), so their decisions would serve a smaller count
             # without tuning, and the injected failure would never run.
@@ -194,7 +194,7 @@ def _rank(rank, world_size, llama_path):
             except RuntimeError as error:
                 raised = str(error)[:200]
             finally:
-                engine.timing_hook = None
+                STORE.timing_hook = None
             plain_after = _plain_check(mlp, plain, device, 5)
             x = x_for(3, 16)
             ours_after = max(_rel(compiled(x).clone(), model(x, eager_nccl=True))

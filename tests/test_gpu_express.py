@@ -29,7 +29,6 @@ def express_worker(rank, world_size):
     from infini_dist import ops
     from infini_dist.kernels import express
     from infini_dist.launch.bench_eager import allow_one_rank
-    from infini_dist.scheduler import engine
     from infini_dist.scheduler.store import STORE
     allow_one_rank()
     built = express.start(wait=True)
@@ -46,7 +45,7 @@ def express_worker(rank, world_size):
     with torch.no_grad():
         for number, name in enumerate(CHOICES):
             with infini_dist.config.patch(fusion_speedup_threshold=1.0 + 1e-6 * (1 + number)):
-                engine.timing_hook = lambda medians, p=name: {
+                STORE.timing_hook = lambda medians, p=name: {
                     n: 0.5 if n.startswith(p + "[") and n.endswith("e1]") else 2.0
                     for n in medians}
                 x, residual, weight = inputs(16)
@@ -85,7 +84,7 @@ def express_worker(rank, world_size):
                 row["replay_error"] = ((out.double() - ref3).abs().max() /
                                        ref3.abs().max()).item()
                 report[name] = row
-            engine.timing_hook = None
+            STORE.timing_hook = None
         x, _, _ = inputs(16)
         before = built.hits()
         act = [ops.all_reduce_relu_scale(x, 0.5) for _ in range(3)]
@@ -96,7 +95,7 @@ def express_worker(rank, world_size):
     # Autograd calls never take the C++ path, and offering their launch again at every call
     # must not grow the table.
     with infini_dist.config.patch(fusion_speedup_threshold=1.25):
-        engine.timing_hook = lambda medians: {
+        STORE.timing_hook = lambda medians: {
             n: 0.5 if n.startswith("one_shot[") and n.endswith("e1]") else 2.0 for n in medians}
         x, residual, weight = inputs(16)
         wants = x.detach().requires_grad_()
@@ -107,7 +106,7 @@ def express_worker(rank, world_size):
         report["autograd"] = dict(grew=built.size() - size, hits=built.hits() - hits,
                                   grad=bool(wants.grad is not None
                                             and torch.isfinite(wants.grad).all()))
-        engine.timing_hook = None
+        STORE.timing_hook = None
     report["compiled"] = _compiled_sites(built, device)
     report["records"] = built.size()
     assert STORE.entries["all_reduce_add_rms_norm"].call is not None
@@ -121,7 +120,7 @@ def _compiled_sites(built, device):
     import infini_dist
     import infini_dist.compile as idc
     from infini_dist.launch.bench_site_host import Block, deepest
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     block = Block(1024, dist.group.WORLD.group_name)
     x, residual = (torch.randn(4, 1024, device=device).bfloat16() for _ in range(2))
     row = {}
@@ -131,7 +130,7 @@ def _compiled_sites(built, device):
         for number, express_ops in enumerate((False, True)):
             with infini_dist.config.patch(express_ops=express_ops,
                                           fusion_speedup_threshold=1.5 + number * 1e-6):
-                engine.timing_hook = deepest("one_shot")
+                STORE.timing_hook = deepest("one_shot")
                 torch._dynamo.reset()
                 compiled = idc.compile_model(block)
                 for _ in range(3):
@@ -140,7 +139,7 @@ def _compiled_sites(built, device):
                 outputs[express_ops] = compiled(x, residual)
                 torch.cuda.synchronize()
                 row[f"hits_{express_ops}"] = built.hits() - before
-            engine.timing_hook = None
+            STORE.timing_hook = None
         row["same"] = all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
         row["error"] = ((outputs[True][0].double() - ref[0].double()).norm()
                         / ref[0].double().norm()).item()

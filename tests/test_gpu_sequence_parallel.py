@@ -32,9 +32,9 @@ def sp_gpu_rank(rank, world, algorithm):
     import infini_dist.compile as idc
     from infini_dist.launch import sp_model
     from infini_dist.launch.bench_sp import prefer
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     torch.cuda.set_device(rank)
-    engine.timing_hook = prefer(algorithm)
+    STORE.timing_hook = prefer(algorithm)
     mesh = init_device_mesh("cuda", (world,))
     torch.manual_seed(0)
     full = sp_model.Model(layers=2, dim=512, hidden=1024, head_dim=64).cuda().bfloat16()

@@ -77,8 +77,8 @@ def family_rank(rank, world, path):
 
     import infini_dist.compile as idc
     from infini_dist.launch.bench_hf import check_sharded, tp_load_kwargs
-    from infini_dist.scheduler import engine
-    engine.timing_hook = _deepest_fused  # this process only: a fresh rank per test
+    from infini_dist.scheduler.store import STORE
+    STORE.timing_hook = _deepest_fused  # this process only: a fresh rank per test
     _own_inductor_cache(rank)
     os.environ["WORLD_SIZE"] = str(world)  # transformers sizes TP from it (torchrun sets it)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,

@@ -101,7 +101,7 @@ def eager_native_rank(rank, world_size):
 
     import infini_dist
     from infini_dist.ops import all_reduce_add_rms_norm, decisions
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
 
     x, residual, weight = _rank_inputs(rank)
     torch_y = x.clone()
@@ -109,13 +109,13 @@ def eager_native_rank(rank, world_size):
     torch_h = torch_y + residual
     torch_out = F.rms_norm(torch_h, (32,), weight, EPS)
     result = {}
-    engine.timing_hook = _slow_fused
+    STORE.timing_hook = _slow_fused
     try:
         with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
             out, h = all_reduce_add_rms_norm(x, residual, weight, eps=EPS)
             result["slow_fused"] = decisions()[0]
             result["same_as_torch"] = torch.equal(out, torch_out) and torch.equal(h, torch_h)
-        engine.timing_hook = _fixed_times
+        STORE.timing_hook = _fixed_times
         for threshold in (1.2, 1.1):
             with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2,
                                           fusion_speedup_threshold=threshold):
@@ -123,7 +123,7 @@ def eager_native_rank(rank, world_size):
                 result[threshold] = decisions()[0]["choice"]
                 result[f"out {threshold}"] = out
     finally:
-        engine.timing_hook = None
+        STORE.timing_hook = None
     return result
 
 
@@ -148,7 +148,7 @@ def compiled_native_rank(rank, world_size):
 
     import infini_dist
     import infini_dist.compile as idc
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler.native_inductor import InductorNativeChoice, epilogues_compiled
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["INDUCTOR_CACHE_BASE"],
@@ -160,7 +160,7 @@ def compiled_native_rank(rank, world_size):
         return F.rms_norm(h, (32,), weight, EPS), h
 
     x, residual, weight = (t.float() for t in _rank_inputs(rank))
-    engine.timing_hook = _slow_fused
+    STORE.timing_hook = _slow_fused
     compiled_before = epilogues_compiled()
     try:
         with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
@@ -171,7 +171,7 @@ def compiled_native_rank(rank, world_size):
             after_again = epilogues_compiled()
             compiled(x, residual, weight)
     finally:
-        engine.timing_hook = None
+        STORE.timing_hook = None
     (record,) = [d for d in idc.decisions() if d["op"] == "all_reduce+add+rms_norm"
                  or "rms_norm" in d["op"]]
     from infini_dist.scheduler.store import STORE

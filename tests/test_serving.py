@@ -100,10 +100,9 @@ def _run_op(rank, world, tokens, dtype=torch.float32):
 
 
 def bucket_rank(rank, world):
-    from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler.cache import DECISIONS
     from infini_dist.scheduler.choices import register_algorithm
-    from infini_dist.scheduler.store import STORE
     from infini_dist.scheduler.torch_fused import TorchFusedAllReduce
 
     class RowsOf4(TorchFusedAllReduce):
@@ -115,7 +114,7 @@ def bucket_rank(rank, world):
             return super().supports(span, meta, ctx) and rows % 4 == 0
 
     register_algorithm("all_reduce", "cpu", RowsOf4())
-    engine.timing_hook = lambda m: {n: (1e-9 if n.startswith("rows_of_4") else t)
+    STORE.timing_hook = lambda m: {n: (1e-9 if n.startswith("rows_of_4") else t)
                                     for n, t in m.items()}
     seen = []
     for tokens in (3, 4, 2, 4, 5, 8, 1, 6):

@@ -88,8 +88,9 @@ def test_rewrite_applies_only_where_the_sum_is_all_that_reads_the_reductions():
 def sum_first_rank(rank, world):
     import infini_dist
     from infini_dist.scheduler import engine
+    from infini_dist.scheduler.store import STORE
     # Every sum-first choice fastest, all else slow: the sum-first rewrite must be committed.
-    engine.timing_hook = lambda m: {n: 1.0 if n.startswith("sum_first+") else 9.0 for n in m}
+    STORE.timing_hook = lambda m: {n: 1.0 if n.startswith("sum_first+") else 9.0 for n in m}
     try:
         with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=1,
                                       enable_disk_cache=False):
@@ -97,7 +98,7 @@ def sum_first_rank(rank, world):
             out = executor.run(inputs_for(rank))
             choice = executor.site_runners()[0].last_tuning["choice"]
     finally:
-        engine.timing_hook = None
+        STORE.timing_hook = None
     return {"out": out["out"], "h": out["h"], "choice": choice}
 
 
