@@ -19,9 +19,10 @@ site, so that sites decided native stay Inductor's code; inductor_overlap and
 infini_dist_overlap: the same two with Inductor's compute/communication overlap options,
 OVERLAP; infini_dist_forward_overlap: the latter with config.backward_sites off;
 infini_dist_wgrad: the pass with the "overlap" fusion type, each backward site running its
-weight-gradient GEMMs beside its all_reduce; collective_free: torch.compile(model) with every
-collective of its forward and backward graphs a local no-op, the floor of issue #27's target, launch/collective_free.py), a fresh model with
-the same weights trains --steps steps;
+weight-gradient GEMMs beside its all_reduce, asked for by --variants; collective_free:
+torch.compile(model) with every collective of its forward and backward graphs a local no-op,
+the floor of issue #27's target, launch/collective_free.py), a fresh model with the same
+weights trains --steps steps;
 after --warmup steps (compile and tuning) each step is timed, median per rank, max over ranks.
 The pass's loss curves must agree with inductor's within --tol (bf16 noise on GPU); exit status
 1 if they do not. The floor's curve is not checked (its sums are partial) and must leave no
@@ -257,7 +258,7 @@ def add_arguments(parser):
                         help="tokens per step, comma-separated")
     parser.add_argument("--variants", type=names(VARIANTS),
                         default=f"inductor,inductor_overlap,infini_dist,infini_dist_overlap,"
-                                f"infini_dist_forward_overlap,{WGRAD},{FLOOR}",
+                                f"infini_dist_forward_overlap,{FLOOR}",
                         help=f"comma-separated, among {','.join(VARIANTS)} (inductor always runs)")
     parser.add_argument("--optimizers", type=names(OPTIMIZERS), default="foreach",
                         help="AdamW implementations, each timed with every variant: foreach, "

@@ -137,7 +137,7 @@ def test_train_bench_arguments():
     args = bench_train.parse_args(["--tokens", "64,128", "--steps", "4", "--warmup", "2"])
     assert args.tokens == [64, 128] and args.model.context == 128 and not args.cpu_smoke
     assert args.variants == ["inductor", "inductor_overlap", "infini_dist", "infini_dist_overlap",
-                             "infini_dist_forward_overlap", "infini_dist_wgrad", "collective_free"]
+                             "infini_dist_forward_overlap", "collective_free"]  # wgrad: asked for
     assert args.optimizers == ["foreach"]
     assert bench_train.parse_args(["--optimizers", "fused,foreach"]).optimizers == [
         "fused", "foreach"]
