@@ -28,7 +28,9 @@ from infini_dist.kernels.symm_chain import fused_arguments, round_to
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, finish, item_range
 from infini_dist.kernels.symm_signal import block_barrier, peer_pointer, world_size_pow2
 
-KIND = "matmul_ce_chunks"  # its own buffers: no other protocol's launches touch its slots
+# Its own buffers (matmul_ce_chunks and ce_overlap share them and this protocol): no other
+# protocol's launches touch its slots.
+KIND = "chunk_reduce"
 MAX_GRID = 1 << 16  # programs of a reduction; each takes items pid, pid + grid, ...
 
 

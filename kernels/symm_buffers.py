@@ -84,6 +84,14 @@ def data_view(buffer: SymmBuffer, rank: int, dtype: torch.dtype, offset: int,
     return buffer.storages[rank][start:start + numel * dtype.itemsize].view(dtype)
 
 
+def peer_views(buffer: SymmBuffer, dtype: torch.dtype, offset: int, numel: int) -> list:
+    """`data_view` of every other rank at the same place: where this rank's values go by copy.
+    A scratch's "peers" are this rank's own memory: none."""
+    mine = data_view(buffer, buffer.rank, dtype, offset, numel).data_ptr()
+    views = (data_view(buffer, peer, dtype, offset, numel) for peer in range(buffer.world_size))
+    return list({t.data_ptr(): t for t in views if t.data_ptr() != mine}.values())
+
+
 def _from_addresses(storage, bases, rank, world_size, data_bytes, handle=None,
                     storages=()) -> SymmBuffer:
     header = header_bytes(world_size)

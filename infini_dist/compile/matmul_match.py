@@ -137,8 +137,8 @@ def _gradient_operands(value) -> list:
             stack.append(node.args[0])
         elif node.target is aten.add.Tensor and not node.kwargs:
             stack.extend(node.args[:2])
-        elif _gemm(node) is not None:
-            found.append(_gemm(node)[0])
+        elif (gemm := _gemm(node)) is not None:
+            found.append(gemm[0])
     return found
 
 

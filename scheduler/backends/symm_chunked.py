@@ -86,9 +86,8 @@ class MatmulChunks(Algorithm):
         width, stride, rank = tail.shape[-1], slot_elements(tail.numel), buffer.rank
         mine = symm_buffers.data_view(buffer, rank, tail.dtype, rank * stride, tail.numel)
         y = mine.view(-1, width)
-        targets = [symm_buffers.data_view(buffer, peer, tail.dtype, rank * stride, tail.numel)
-                   .view(-1, width) for peer in range(buffer.world_size)]
-        targets = [t for t in targets if t.data_ptr() != y.data_ptr()]  # a scratch's "peers"
+        targets = [t.view(-1, width) for t in symm_buffers.peer_views(
+            buffer, tail.dtype, rank * stride, tail.numel)]
         side = self._side_stream(x.device) if x.is_cuda else None
         caller = torch.cuda.current_stream(x.device) if side is not None else None
         bounds = chunk_bounds(x.shape[0], self.chunks)
