@@ -223,7 +223,9 @@ class FastLaunch:
             args[position] = tuple(filled)
         return args
 
-    def __call__(self, *tensors):
+    def __call__(self, *tensors, stream=None):
+        """Launch on `stream` (a raw handle of the current device's; None: its current
+        stream)."""
         launcher = self._launcher
         if launcher is not None and len(tensors) == self.count:
             for tensor, dtype in zip(tensors, self._dtypes):
@@ -232,9 +234,15 @@ class FastLaunch:
             else:
                 device = self._get_device()
                 if device == self._device:
-                    launcher(*self._fill(tensors), stream=self._get_stream(device))
+                    launcher(*self._fill(tensors),
+                             stream=self._get_stream(device) if stream is None else stream)
                     return
-        self._normal(tensors)
+        import torch
+        if stream is None or stream == torch.cuda.current_stream().cuda_stream:
+            self._normal(tensors)  # (ExternalStream(0) is not the legacy default stream)
+            return
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # Triton: the current one
+            self._normal(tensors)
 
     def _normal(self, tensors):
         if len(tensors) != self.count:

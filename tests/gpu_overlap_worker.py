@@ -9,7 +9,8 @@ three eager calls with fresh inputs against the fp32 reference (the weight gradi
 reduced outputs bitwise equal across ranks, then CUDA-graph capture (the side stream forked and
 joined inside the graph) and replays with new inputs; then the engine on the same site, every
 choice timed with the GEMM inside it (native: the GEMM, NCCL, the epilogue in torch), its
-timings printed. Prints 'ALL OK' last when everything passed.
+timings printed. Prints 'ALL OK' last when everything passed. OVERLAP_HOST_PROFILE=1 adds,
+at qkv's shape, the profiler's CPU table and the host and device µs of a call's parts.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def check_algorithm(ctx, algorithm, pattern, tokens, width, dtype):
         check(error <= TOLERANCE[dtype], f"{name} call {call}: error {error:.3g}")
         check(same_everywhere(digest(reduced(got))), f"{name} call {call}: ranks differ")
     host_time(run, local, name)
+    if os.environ.get("OVERLAP_HOST_PROFILE") == "1" and tokens == 2048 and width < 8192:
+        host_profile(run, local, name)
+        host_breakdown(ctx, run, local, tokens, width)
     # check_replays compares every output across ranks; the weight gradients are per rank
     check_replays(lambda env: reduced(run(env)), inputs,
                   lambda everyone: reduced(expect(everyone)), f"graph {name}", dtype,
@@ -95,6 +99,105 @@ def host_time(run, local, name, calls=50):
     if dist.get_rank() == 0:
         print(f"host {name}: {enqueued / calls * 1e6:.1f} us/call enqueued, "
               f"{total / calls * 1e6:.1f} us/call eagerly", flush=True)
+
+
+def host_profile(run, local, name, calls=30):
+    """Where a call's host time goes, rank 0's: the profiler's CPU side (both ranks make the
+    calls: the barriers are collective)."""
+    for _ in range(3):
+        run(local)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            run(local)
+        torch.cuda.synchronize()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"host profile {name}, {calls} calls:", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+
+
+def held(fn, calls=40, sleep_cycles=400_000_000):
+    """(host, device) µs per call of `fn`: host = issuing the calls while a sleep kernel holds
+    the GPU, so that no launch waits for room in the queue; device = the same calls' GPU time
+    behind that sleep. Max over ranks."""
+    import time
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    torch.cuda._sleep(sleep_cycles)
+    begin = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    host = (time.perf_counter() - begin) / calls * 1e6
+    end.synchronize()
+    mine = torch.tensor([host, start.elapsed_time(end) * 1e3 / calls], dtype=torch.float64,
+                        device=torch.cuda.current_device())
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return tuple(mine.tolist())
+
+
+def host_breakdown(ctx, run, local, tokens, width):
+    """Host and device µs of a ce_overlap call's parts, each alone (qkv's backward shape)."""
+    prepared = run.prepared
+    g = local["g"]
+    a = next(v for n, v in local.items() if n not in ("g", "w", "x"))
+    p = local["x"]
+    targets, source = prepared.targets, p.view(-1)
+    side = torch.cuda.Stream()
+    caller = torch.cuda.current_stream()
+    out = torch.empty_like(p)
+    per_call = [p.view(prepared.plan.tail.shape)] + [local[n] for n in prepared.names[1:]] \
+        + [out, torch.empty(p.shape[:-1] + (1,), device=p.device)][:len(prepared.plan.tail.writes)]
+
+    def mm():
+        torch.mm(g.t(), a)
+
+    def copy():
+        for t in targets:
+            t.copy_(source)
+
+    def forked(aside=(), beside=()):
+        """torch's fork and join of the side stream (CopyEngineOverlap.run's), `aside` run on
+        the side stream, `beside` on the caller's."""
+        def call():
+            side.wait_stream(caller)
+            with torch.cuda.stream(side):
+                for fn in aside:
+                    fn()
+                done = side.record_event()
+            for fn in beside:
+                fn()
+            caller.wait_event(done)
+        return call
+
+    def reduce_only():
+        for launch in prepared.launches:
+            launch(*per_call)
+
+    def copy_reduce():
+        copy()
+        reduce_only()
+
+    def mm_copy_reduce():
+        mm()
+        copy()
+        reduce_only()
+    parts = {"mm": mm, "copy": copy, "fork+join": forked(), "fork+copy+join": forked([copy]),
+             "fork+copy+mm+join": forked([copy], [mm]), "reduce launches": reduce_only,
+             "copy+reduce (one stream)": copy_reduce, "mm+copy+reduce (one stream)":
+             mm_copy_reduce, "the whole call": lambda: run(local),
+             "empty_like": lambda: torch.empty_like(p)}
+    rows = {name: held(fn) for name, fn in parts.items()}
+    if dist.get_rank() == 0:
+        for name, (host, device) in rows.items():
+            print(f"host breakdown {tokens} x {width}: {name:30s} host {host:7.1f} us, "
+                  f"device {device:7.1f} us", flush=True)
 
 
 def copy_host_time(ctx, mib=16, calls=20):

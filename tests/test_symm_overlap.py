@@ -32,10 +32,57 @@ PATTERNS = {
 }
 
 
+class MemmoveDriver:
+    """kernels/cuda_driver.Driver's calls on CPU memory: the copies made, every call logged."""
+
+    def __init__(self):
+        self.log = []
+
+    def record(self, event, stream):
+        self.log.append(("record", event, stream))
+
+    def wait(self, stream, event):
+        self.log.append(("wait", stream, event))
+
+    def copy(self, destination, source, nbytes, stream):
+        import ctypes
+        ctypes.memmove(destination, source, nbytes)
+        self.log.append(("copy", stream))
+
+
+def direct_path(prepared, driver):
+    """`prepared` making its fork, copies and join through `driver` (DirectCalls), on made-up
+    stream handles; its launches logged with the stream each was given (the interpreter runs
+    them on the CPU)."""
+    from infini_dist.kernels import cuda_driver
+    from infini_dist.scheduler.backends.symm_overlap import DirectCalls
+    cuda_driver.raw_stream = lambda device: "caller"
+    prepared.direct = DirectCalls(driver, 0, "side", "fork", "done",
+                                  tuple(t.data_ptr() for t in prepared.targets),
+                                  prepared.plan.tail.numel * prepared.plan.tail.dtype.itemsize,
+                                  ())
+
+    def logged(launch):
+        def call(*tensors, stream=None):
+            driver.log.append(("launch", stream))
+            launch(*tensors)
+        return call
+    prepared.launches = [logged(launch) for launch in prepared.launches]
+
+
+def expected_order(peers: int, launches: int, aside: bool) -> list:
+    reduce = [("launch", "side" if aside else None)] * launches  # None: the current stream
+    return ([("record", "fork", "caller"), ("wait", "side", "fork")] + [("copy", "side")] * peers
+            + (reduce if aside else []) + [("record", "done", "side"), ("wait", "caller", "done")]
+            + ([] if aside else reduce))
+
+
 def interpreted_rank(rank, world_size, storage, cases):
-    """Each case twice, every case on one shared buffer (its slots reused across calls and
-    shapes): the first call through Triton's normal launch, the second through the launches
-    the first call's layouts bound (PreparedOverlap)."""
+    """Each case three times, every case on one shared buffer (its slots reused across calls
+    and shapes): the first call through Triton's normal launch, the second through the
+    launches the first call's layouts bound (PreparedOverlap), the third with its fork, copies
+    and join as the driver calls a GPU call makes (a stand-in driver moving CPU memory), in
+    the order checked."""
     import infini_dist
     from infini_dist.kernels.symm_buffers import from_peer_tensors
     from infini_dist.kernels.symm_device import DEFAULT_TUNING
@@ -53,14 +100,21 @@ def interpreted_rank(rank, world_size, storage, cases):
         plan = algorithm.plan(full_span(graph), meta_of(graph, shape, dtype), ctx)
         assert plan is not None and algorithm.data_bytes(plan, world_size) <= buffer.data_bytes
         prepared = None
-        for call in range(2):  # Triton's normal path, then the launches bound once
+        for call in range(3):  # Triton's normal path, the launches bound once, the driver
             everyone = [make_inputs(graph, shape, dtype, r, call) for r in range(world_size)]
             if prepared is None:
                 got = algorithm.launch(plan, everyone[rank], buffer)
                 prepared = PreparedOverlap(algorithm, plan, buffer, everyone[rank],
                                            DEFAULT_TUNING, True)
-            else:
+                assert prepared.direct is None  # off the GPU
+            elif call == 1:
                 got = prepared(everyone[rank])
+            else:
+                driver = MemmoveDriver()
+                direct_path(prepared, driver)
+                got = prepared(everyone[rank])
+                assert driver.log == expected_order(world_size - 1, len(prepared.launches),
+                                                    algorithm.reduce_aside), driver.log
             assert set(got) == set(graph.output_names)
             error = max_error(got, reference(graph, everyone, rank))
             # a weight gradient is this rank's own (x is this rank's); the reduced values are

@@ -18,8 +18,9 @@ hold SMs the GEMM's waves need) and NCCL hid 23-70% (launch/bench_overlap.py, do
 "Session 20"). The engine times the site whole, GEMMs included, so this choice is committed only
 where the overlap beats every synchronous choice plus its GEMMs. On 2 H100s, in CUDA-graph
 replay, it did by 3-14% beside gate_up's weight gradient and 21-23% beside qkv's at 2048
-tokens; but a call costs 150-300 µs of host time, and an eager training step with it was
-slower (docs/notes_symm.md, "Session 21"): the fusion type that offers it is off by default.
+tokens; but an eager training step with it was slower (docs/notes_symm.md, "Session 21"),
+also once a call's host time was cut from 215-437 µs to 108-188 (the fork, copies and join
+as driver calls, session 22): the fusion type that offers it is off by default.
 
 Every rank sums the slots in rank order: the same bits everywhere. The site stays synchronous:
 the caller's stream waits for the copies before the reduction, so no input is read after the
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from infini_dist.kernels import chunk_reduce as kernel_module
+from infini_dist.kernels import cuda_driver
 from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.symm_buffers import slot_elements
 from infini_dist.kernels.nt_runtime import FastLaunch
@@ -122,7 +124,6 @@ class CopyEngineOverlap(Algorithm):
     def run(self, plan: OverlapPlan, env: dict, source, targets: list, reduce) -> dict:
         """The copies of `source` into `targets` on the side stream, the beside work, and
         `reduce()` (the reduction's launches) on the stream this choice puts it on."""
-        graph = plan.graph
         side = self._side_stream(source.device) if source.is_cuda else None
         caller = torch.cuda.current_stream(source.device) if side is not None else None
         if side is not None:
@@ -133,12 +134,19 @@ class CopyEngineOverlap(Algorithm):
             if self.reduce_aside:
                 reduce()
             done = side.record_event() if side is not None else None
-        beside = {n: env[n] for n in plan.beside_inputs}
-        run_nodes(graph, plan.beside, beside, plan.ctx, native=True)
+        made = self.beside_work(plan, env)
         if side is not None:
             caller.wait_event(done)
         if not self.reduce_aside:
             reduce()
+        return made
+
+    @staticmethod
+    def beside_work(plan: OverlapPlan, env: dict) -> dict:
+        """The beside work, natively, on the current stream: its outputs."""
+        graph = plan.graph
+        beside = {n: env[n] for n in plan.beside_inputs}
+        run_nodes(graph, plan.beside, beside, plan.ctx, native=True)
         return {name: beside[name] for i in plan.beside for name in graph.nodes[i].outputs}
 
     def launch(self, plan: OverlapPlan, env: dict, buffer,
@@ -165,12 +173,40 @@ class CopyEngineOverlap(Algorithm):
                                      self, plan, buffer, env, tuning, fast))
 
 
+@dataclass(frozen=True)
+class DirectCalls:
+    """What a call on the GPU hands the driver (kernels/cuda_driver.py): the raw handles of
+    the side stream and of two events made once, the peers' slots' addresses; `keep` holds the
+    torch objects those handles belong to."""
+    driver: object
+    device: int
+    side: int
+    fork: int
+    done: int
+    targets: tuple
+    nbytes: int
+    keep: tuple
+
+
+def direct_calls(algorithm: CopyEngineOverlap, source: torch.Tensor, targets: list,
+                 nbytes: int) -> DirectCalls | None:
+    driver = cuda_driver.driver() if source.is_cuda else None
+    if driver is None:
+        return None
+    side = algorithm._side_stream(source.device)
+    (fork, fork_handle), (done, done_handle) = (cuda_driver.event_handle(source.device)
+                                                for _ in range(2))
+    return DirectCalls(driver, source.get_device(), side.cuda_stream, fork_handle, done_handle,
+                       tuple(t.data_ptr() for t in targets), nbytes, (side, fork, done))
+
+
 class PreparedOverlap:
     """The reduction's launches bound once (nt_runtime.FastLaunch, as symm_gemm.PreparedGemm
-    binds its own), and the peers' slots found once: a training step runs these sites eagerly,
-    where Triton's normal launch of three kernels and the argument packing cost more host time
-    than the GPU spends on the site's transfer. A call whose inputs are laid out unlike the
-    first call's takes `algorithm.launch`."""
+    binds its own), the peers' slots found once, and on the GPU the fork, copies and join made
+    as driver calls on raw handles (DirectCalls): a training step runs these sites eagerly,
+    where Triton's normal launch of three kernels, torch's stream switches and the argument
+    packing cost more host time than the GPU spends on the site's transfer. A call whose
+    inputs are laid out unlike the first call's takes `algorithm.launch`."""
 
     def __init__(self, algorithm: CopyEngineOverlap, plan: OverlapPlan, buffer, env: dict,
                  tuning: SymmTuning, fast: bool):
@@ -191,6 +227,8 @@ class PreparedOverlap:
         self.launches = [FastLaunch(kernel, grid, args, kwargs, per_call)
                          for kernel, grid, args, kwargs in algorithm.reduction(
                              plan, source, inputs, written, buffer, tuning)]
+        self.direct = direct_calls(algorithm, source, self.targets,
+                                   tail.numel * tail.dtype.itemsize)
 
     def __call__(self, env: dict) -> dict:
         tensors = [env[n] for n in self.names]
@@ -202,8 +240,31 @@ class PreparedOverlap:
         written = tail.allocate(source.device, source)
         per_call = [source.view(tail.shape)] + tensors[1:] + list(written.values())
 
+        if self.direct is not None:
+            return {**self._direct(env, source, per_call), **tail.results(written)}
+
         def reduce():
             for launch in self.launches:
                 launch(*per_call)
         made = self.algorithm.run(self.plan, env, source, self.targets, reduce)
         return {**made, **tail.results(written)}
+
+    def _direct(self, env: dict, source: torch.Tensor, per_call: list) -> dict:
+        """`CopyEngineOverlap.run`'s order, the fork, copies and join as driver calls."""
+        d, aside = self.direct, self.algorithm.reduce_aside
+        driver, caller = d.driver, cuda_driver.raw_stream(d.device)
+        driver.record(d.fork, caller)  # the copies read p, made on the caller's stream
+        driver.wait(d.side, d.fork)
+        address = source.data_ptr()
+        for target in d.targets:
+            driver.copy(target, address, d.nbytes, d.side)
+        if aside:
+            for launch in self.launches:
+                launch(*per_call, stream=d.side)
+        driver.record(d.done, d.side)
+        made = self.algorithm.beside_work(self.plan, env)
+        driver.wait(caller, d.done)
+        if not aside:
+            for launch in self.launches:  # on the current stream: the caller's
+                launch(*per_call)
+        return made
