@@ -239,7 +239,7 @@ class FastLaunch:
                     return
         import torch
         if stream is None or stream == torch.cuda.current_stream().cuda_stream:
-            self._normal(tensors)  # (ExternalStream(0) is not the legacy default stream)
+            self._normal(tensors)  # (torch makes ExternalStream(0) a pool stream)
             return
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # Triton: the current one
             self._normal(tensors)
