@@ -20,7 +20,8 @@ import torch
 
 from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler import op_registry, sum_first
-from infini_dist.scheduler.ir import Site, SubGraph, external_inputs, live_outputs
+from infini_dist.scheduler.ir import SubGraph
+from infini_dist.scheduler.boundary import Site, external_inputs, live_outputs
 
 
 class TensorMeta(NamedTuple):

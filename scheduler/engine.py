@@ -28,8 +28,8 @@ from infini_dist.scheduler.choices import (NATIVE, Choice, RunContext, TensorMet
                                            run_nodes)
 from infini_dist.scheduler.control import ControlPlane, control_plane
 from infini_dist.scheduler.lockstep import TuningError
-from infini_dist.scheduler.ir import (Site, SubGraph, find_sites, site_subgraph,
-                                      subgraph_from_text)
+from infini_dist.scheduler.ir import SubGraph, subgraph_from_text
+from infini_dist.scheduler.boundary import Site, find_sites, site_subgraph
 from infini_dist.scheduler.op_registry import close_enough, generation, get_op
 from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.shapes import site_meta

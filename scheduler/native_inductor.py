@@ -24,7 +24,7 @@ import torch
 
 from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import NATIVE, Choice, run_nodes
-from infini_dist.scheduler.ir import external_inputs, live_outputs
+from infini_dist.scheduler.boundary import external_inputs, live_outputs
 
 log = logging.getLogger("infini_dist")
 

@@ -20,7 +20,8 @@ against native like any other choice.
 
 from __future__ import annotations
 
-from infini_dist.scheduler.ir import OpNode, Site, SubGraph
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.boundary import Site
 
 PREFIX = "sum_first+"
 

@@ -84,7 +84,7 @@ def full_depth_symm_choices(graph: SubGraph, dtype=torch.bfloat16) -> set:
     """The symmetric-memory algorithms among the engine's choices for `graph` (an all_reduce and
     its epilogue, named as symm_cases names inputs) on 2 GPUs that fuse the whole epilogue."""
     from infini_dist.scheduler.choices import generate_choices
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
     site = find_sites(graph)[0]
     choices = generate_choices(graph, site, meta_of(graph, (4, 64), dtype),
                                RunContext(None, 2, 0, torch.device("cuda")),

@@ -158,7 +158,7 @@ def tuned(graph, local, label):
 
 
 def check_engine(ctx, dtype=torch.bfloat16):
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
     for pattern, shape in (("add_rms_norm", (16, 4096)), ("relu_scale", (1, 4096)),
                            (TRAIN, (2048, 4096))):
         graph = build(pattern)

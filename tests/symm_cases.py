@@ -16,7 +16,8 @@ import torch
 from infini_dist.kernels.epilogue import SPECS
 from infini_dist.kernels.epilogue.rms_rstd import SPEC as RSTD_SPEC
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
-from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.boundary import find_sites
 
 CPU = RunContext(None, 1, 0, torch.device("cpu"))
 RSTD = RSTD_SPEC.name

@@ -16,7 +16,8 @@ from infini_dist.kernels.two_shot_all_reduce import two_shot_all_reduce
 from infini_dist.scheduler.backends.symm import plan_span
 from infini_dist.scheduler.backends.symm_launch import tuning_of
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, generate_choices
-from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.boundary import find_sites
 from symm_cases import PATTERNS, RSTD, TRAIN, build, full_span, meta_of
 from symm_runs import algorithm_of, run_gpu_worker, run_interpreted, symm_algorithms
 

@@ -5,7 +5,8 @@ import torch
 
 from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import RunContext, TensorMeta, generate_choices, run_nodes
-from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.boundary import find_sites
 
 ALL = ("epilogue", "prologue", "cross_subgraph")
 CTX = RunContext(None, 1, 0, torch.device("cpu"))

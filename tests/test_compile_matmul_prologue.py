@@ -110,7 +110,7 @@ def test_pass_leaves_what_others_read_and_what_is_no_linear():
 
 def choice_names(pattern, device, world_size=2, dtype=torch.bfloat16):
     from infini_dist.scheduler.choices import RunContext, generate_choices
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
     graph = PATTERNS[pattern]
     site = find_sites(graph)[0]
     ctx = RunContext(None, world_size, 0, torch.device(device))
@@ -122,7 +122,7 @@ def choice_names(pattern, device, world_size=2, dtype=torch.bfloat16):
 
 def test_choices_cover_native_matmul_our_gemm_and_torch_reduce_scatter():
     graph = PATTERNS["linear_add_rms_norm"]
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
     (site,) = find_sites(graph)
     assert site.prologue == (0,) and site.anchors == (1,) and site.epilogue == (2,)
     cuda = choice_names("linear_add_rms_norm", "cuda")
@@ -149,7 +149,7 @@ def test_a_weight_is_never_a_token_input():
     import infini_dist
     from infini_dist.scheduler import buckets
     from infini_dist.scheduler.engine import SiteRunner
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
     graph = PATTERNS["linear_add_rms_norm"]
     runner = SiteRunner(graph, find_sites(graph)[0], infini_dist.config.snapshot())
     values = {"x": torch.zeros(24, 8), "wm": torch.zeros(24, 8), "res": torch.zeros(24, 24),

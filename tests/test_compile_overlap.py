@@ -1,7 +1,7 @@
 """The "overlap" fusion type: in a backward graph the weight-gradient GEMMs of the linears whose
 input gradient an all_reduce completes join that all_reduce's site as work beside it
 (compile/matmul_match.py's weight_gradients -> the IR op weight_gradient), the IR keeps them in
-the site (scheduler/ir.py's Site.beside), and the choice generator runs them first in every
+the site (scheduler/boundary.py's Site.beside), and the choice generator runs them first in every
 choice but those of a runs_beside algorithm (scheduler/backends/symm_overlap.py), which runs them
 while the collective is in flight. The end-to-end check (a TP decoder's training on gloo, loss
 curves equal to plain compile's) is tests/test_bench_train.py's."""
@@ -87,7 +87,8 @@ def test_the_ir_keeps_beside_work_in_the_site_and_runs_it_first_elsewhere():
     in the region (the native choice runs them); each choice of an algorithm that does not run
     them has them as its first step; only with the type."""
     from infini_dist.scheduler.choices import FusedSpan
-    from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+    from infini_dist.scheduler.ir import OpNode, SubGraph
+    from infini_dist.scheduler.boundary import find_sites
     wg = OpNode("weight_gradient", ("g", "a"), ("dw",))
     graph = SubGraph((wg, OpNode("all_reduce", ("x",), ("y",)),
                       OpNode("mul", ("y", "s"), ("o",))), ("g", "a", "x", "s"), ("dw", "o"))
@@ -108,7 +109,8 @@ def test_the_ir_keeps_beside_work_in_the_site_and_runs_it_first_elsewhere():
 def test_choices_run_the_beside_work_first_or_take_it():
     from infini_dist.scheduler.choices import (Algorithm, RunContext, generate_choices,
                                                register_algorithm, unregister_algorithm)
-    from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+    from infini_dist.scheduler.ir import OpNode, SubGraph
+    from infini_dist.scheduler.boundary import find_sites
     from symm_cases import meta_of
 
     class Takes(Algorithm):

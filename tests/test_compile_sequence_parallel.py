@@ -43,7 +43,7 @@ def test_reduce_scatter_norm_all_gather_is_one_site():
 
 
 def test_the_engine_finds_the_same_span_in_the_site_text():
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
 
     def f(x, residual, w):
         h = rs(x) + residual

@@ -42,7 +42,7 @@ def test_training_site_is_one_launch_of_each_symm_kernel(keep_reduced):
     written by the one launch (planned for 2 GPUs; the kernels run in tests/test_symm_*.py)."""
     from infini_dist.scheduler.backends.symm import plan_span
     from infini_dist.scheduler.choices import RunContext
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
     from infini_dist.scheduler.shapes import site_meta
     from symm_cases import full_span
     from symm_runs import symm_algorithms

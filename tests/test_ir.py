@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from infini_dist.scheduler.ir import (OpNode, SubGraph, external_inputs, find_sites,
-                                      live_outputs, prologue_chain)
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.boundary import (external_inputs, find_sites, live_outputs,
+                                            prologue_chain)
 
 
 def block_graph(eps=1e-6):

@@ -206,7 +206,8 @@ def test_compiled_site_native_is_inductors_epilogue(tmp_path):
 # ---- the compiled-site native choice's fallbacks (single process, nothing reaches Inductor) ----
 
 def _custom_anchor_site(epilogue_op):
-    from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+    from infini_dist.scheduler.ir import OpNode, SubGraph
+    from infini_dist.scheduler.boundary import find_sites
     op_registry.register_op("test_native_matmul", lambda a, b: a @ b, num_inputs=2,
                     implementations={"mm": torch.mm}, replace=True)
     graph = SubGraph((OpNode("test_native_matmul", ("a", "b"), ("c",)),

@@ -15,7 +15,8 @@ from infini_dist.kernels.chain import UnsupportedChain
 from infini_dist.scheduler.backends.nccl_epilogue import NcclEpilogueAlgorithm, plan
 from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, run_nodes
-from infini_dist.scheduler.ir import OpNode, SubGraph, find_sites
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.boundary import find_sites
 from interpreter_worker import interpreter_unusable
 from multirank import run_ranks
 from symm_cases import fp8_error

@@ -24,7 +24,7 @@ def neox_graph(reduce_op="sum"):
 
 
 def _site(graph):
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
     (site,) = find_sites(graph)
     return site
 

@@ -152,7 +152,7 @@ def test_offered_where_it_gathers_small_tensors_with_no_other_rank_side_data():
 
 def test_the_engine_offers_both_for_a_span_that_gathers():
     from infini_dist.scheduler.choices import generate_choices
-    from infini_dist.scheduler.ir import find_sites
+    from infini_dist.scheduler.boundary import find_sites
     graph = _graph(2, "norm_gather")
     (site,) = find_sites(graph)
     names = {c.name for c in generate_choices(

@@ -67,7 +67,7 @@ def find_site(g: matching.GraphIndex, anchor: FxOp, settings: Settings) -> match
     coalesce = "cross_subgraph" in settings.custom_op_fusion_types
     anchors = _coalesce(g, anchor) if coalesce else [anchor]
     # The engine takes a matmul as a chain's head only before the anchors its registry names
-    # (op_registry.MATMUL_ANCHORS, read by scheduler/ir.py's prologue walk): offer it there alone.
+    # (op_registry.MATMUL_ANCHORS, read by scheduler/boundary.py's prologue walk): offer it there alone.
     matmul = settings.matmul_prologue and anchor.op_type in op_registry.MATMUL_ANCHORS
     site = matching.with_prologues(anchors, settings, matmul_producer if matmul else None)
     matching.grow_epilogue(g, site, settings)

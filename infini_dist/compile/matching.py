@@ -36,11 +36,11 @@ from infini_dist.compile.anchors import FxOp, is_collective, is_tensor, value_of
 
 @dataclass
 class FxSite:
-    """One match in an FX graph: fx nodes, not the engine's scheduler/ir.Site indices."""
+    """One match in an FX graph: fx nodes, not the engine's scheduler/boundary.Site indices."""
     anchors: list
     prologue_of: list  # per anchor, its prologue ops, producer first
     epilogue: list = field(default_factory=list)
-    beside: list = field(default_factory=list)  # independent work (scheduler/ir.py's Site)
+    beside: list = field(default_factory=list)  # independent work (scheduler/boundary.py's Site)
 
     @property
     def ops(self) -> list:

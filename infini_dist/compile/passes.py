@@ -64,8 +64,8 @@ def _source_hash() -> str:
     scheduler = Path(infini_dist.scheduler.ir.__file__).parent
     h = hashlib.sha256()
     specs = Path(infini_dist.kernels.epilogue.__file__).parent  # the ops' FX spellings
-    for path in (sorted(package.glob("*.py")) + [scheduler / "ir.py", scheduler / "op_registry.py"]
-                 + sorted(specs.glob("*.py"))):
+    ours = [scheduler / name for name in ("ir.py", "boundary.py", "op_registry.py")]
+    for path in sorted(package.glob("*.py")) + ours + sorted(specs.glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()

@@ -27,7 +27,8 @@ from infini_dist.fusion.agreement import agree_route, route_key
 from infini_dist.scheduler import choices, engine, every_call
 from infini_dist.scheduler import op_registry
 from infini_dist.scheduler.control import ControlPlaneError, control_plane
-from infini_dist.scheduler.ir import SubGraph, as_names, is_anchor
+from infini_dist.scheduler.ir import SubGraph, as_names
+from infini_dist.scheduler.boundary import is_anchor
 
 log = logging.getLogger("infini_dist")
 

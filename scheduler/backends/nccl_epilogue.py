@@ -26,7 +26,7 @@ from infini_dist.kernels.chain import Chain, UnsupportedChain, chain_from_nodes
 from infini_dist.kernels.rows import (FLOAT_DTYPES, INT32_LIMIT, MAX_ROW_BLOCK, broadcast_shape,
                                       next_power_of_2)
 from infini_dist.scheduler.choices import Algorithm
-from infini_dist.scheduler.ir import external_inputs
+from infini_dist.scheduler.boundary import external_inputs
 
 
 class _Plan(NamedTuple):
