@@ -1,9 +1,10 @@
 """scheduler/backends/symm_overlap.py: `ce_overlap`, an all_reduce's input copied into every
 rank's slot while the site's beside work (weight-gradient GEMMs) runs, then reduced with the
 epilogue by kernels/chunk_reduce.py. Interpreted on 2 and 3 CPU ranks (shared CPU memory as the
-symmetric buffers; plain copies, no streams off the GPU): every output, the GEMMs' too, against
-the fp32 reference and bitwise equal across ranks; on GPUs, with the copy engine on a side
-stream: tests/gpu_gemm_worker.py --overlap."""
+symmetric buffers; plain copies, no streams off the GPU, then the driver calls a GPU call makes,
+on a stand-in driver): every output, the GEMMs' too, against the fp32 reference and bitwise
+equal across ranks; on GPUs, with the copy engine on a side stream: tests/gpu_overlap_worker.py
+(test_on_gpus)."""
 
 from __future__ import annotations
 
