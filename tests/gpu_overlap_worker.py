@@ -118,30 +118,6 @@ def host_profile(run, local, name, calls=30):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
 
 
-def held(fn, calls=40, sleep_cycles=400_000_000):
-    """(host, device) µs per call of `fn`: host = issuing the calls while a sleep kernel holds
-    the GPU, so that no launch waits for room in the queue; device = the same calls' GPU time
-    behind that sleep. Max over ranks."""
-    import time
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    torch.cuda._sleep(sleep_cycles)
-    begin = time.perf_counter()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    host = (time.perf_counter() - begin) / calls * 1e6
-    end.synchronize()
-    mine = torch.tensor([host, start.elapsed_time(end) * 1e3 / calls], dtype=torch.float64,
-                        device=torch.cuda.current_device())
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return tuple(mine.tolist())
-
-
 def host_breakdown(ctx, run, local, tokens, width):
     """Host and device µs of a ce_overlap call's parts, each alone (qkv's backward shape)."""
     prepared = run.prepared
@@ -193,7 +169,10 @@ def host_breakdown(ctx, run, local, tokens, width):
              "copy+reduce (one stream)": copy_reduce, "mm+copy+reduce (one stream)":
              mm_copy_reduce, "the whole call": lambda: run(local),
              "empty_like": lambda: torch.empty_like(p)}
-    rows = {name: held(fn) for name, fn in parts.items()}
+    # host: issuing the calls while a sleep kernel holds the GPU (no launch waits for room in
+    # the queue); device: the same calls' GPU time behind it; max over ranks
+    from infini_dist.launch.bench_eager import host_device_loop
+    rows = {name: host_device_loop(fn, calls=40, rounds=1)[:2] for name, fn in parts.items()}
     if dist.get_rank() == 0:
         for name, (host, device) in rows.items():
             print(f"host breakdown {tokens} x {width}: {name:30s} host {host:7.1f} us, "

@@ -216,7 +216,7 @@ class PreparedOverlap:
         self.layouts = tuple(layout_of(env[n]) for n in self.names)
         self.targets = algorithm.peer_slots(plan, buffer)
         self.enabled = fast and all(env[n].is_contiguous() for n in self.names)
-        self.launches = []
+        self.launches, self.direct = [], None
         if not self.enabled:
             return
         # Stand-ins, each its own object, so FastLaunch can tell the per-call tensors apart.
