@@ -136,26 +136,78 @@ def decide_then_recompile(model, tokens: int, args, device, dtype, options=None,
 
 def train_curve(model, forward, tokens: int, optimizer_kind: str, args, device, dtype,
                 control) -> dict:
-    """Loss per step and the median timed step (max over ranks)."""
+    """Loss per step and the median timed step (max over ranks). With --head-start-ms, as many
+    steps again, each behind a sleep kernel of that length, timed less the sleep: the step as the
+    device alone makes it, host stalls hidden (head_start_step_ms)."""
     x, target = step_data(tokens, args, device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
                                   **{optimizer_kind: True})  # foreach=True or fused=True
     losses, times = [], []
-    for step in range(args.steps):
+
+    def step(sleep_cycles: int = 0, host: list | None = None) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
+        marks = [time.perf_counter()]
         loss = torch.nn.functional.mse_loss(forward(x).float(), target)
+        marks.append(time.perf_counter())
         loss.backward()
+        marks.append(time.perf_counter())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
         losses.append(float(loss.detach()))  # syncs the device
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+        if host is not None:
+            host.append([b - a for a, b in zip(marks, marks[1:])])
+        return time.perf_counter() - start
+
+    for index in range(args.steps):
+        took = step()
+        if index >= args.warmup:
+            times.append(took)
+    row = {"losses": losses[:], "step_ms": max_over_ranks(times, control) * 1e3}
+    row["tokens_per_s"] = tokens / row["step_ms"] * 1e3
+    if args.head_start_ms and device.type == "cuda":
+        cycles, sleep_s = sleep_cycles_for(args.head_start_ms * 1e-3, device)
+        host: list = []
+        from infini_dist.kernels import express
+        built = express.module()
+        hits = built.hits() if built is not None else 0
+        ahead = [step(cycles, host) - sleep_s for _ in range(args.steps - args.warmup)]
+        # site calls a step that the C++ table launched (kernels/express.py)
+        row["cpp_launches_per_step"] = ((built.hits() - hits) / len(ahead)
+                                        if built is not None else 0.0)
+        row["head_start_step_ms"] = max_over_ranks(ahead, control) * 1e3
+        # the host's time to issue each part while the sleep keeps the device behind it
+        row["host_ms"] = {part: max_over_ranks([h[i] for h in host], control) * 1e3
+                          for i, part in enumerate(("forward", "backward", "optimizer"))}
+    return row
+
+
+def max_over_ranks(times: list, control) -> float:
     median = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(median, op=dist.ReduceOp.MAX, group=control)
-    step_s = float(median)
-    return {"losses": losses, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s}
+    return float(median)
+
+
+def sleep_cycles_for(seconds: float, device) -> tuple:
+    """torch.cuda._sleep's cycle count for about `seconds`, and what it then takes (the median
+    of 5 timed sleeps; the clock is the device's, so it is measured, not computed)."""
+    def timed(cycles: int) -> float:
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        runs = []
+        for _ in range(5):
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) * 1e-3)
+        return statistics.median(runs)
+    probe = 1_000_000
+    cycles = max(1, round(probe * seconds / timed(probe)))
+    return cycles, timed(cycles)
 
 
 def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
@@ -236,6 +288,21 @@ def table(rows: list, verdicts: list) -> str:
         lines.append(f"| {r['tokens']} | {r['optimizer']} | {r['variant']} | "
                      f"{r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['sites']} | "
                      f"{r['native_sites']} | {r['losses'][-1]:.5f} |")
+    ahead = [r for r in rows if "head_start_step_ms" in r]
+    if ahead:
+        def over_floor(r) -> str:  # the device's step over the floor's, where the floor ran
+            floor = next((f for f in ahead if f["variant"] == FLOOR and
+                          (f["tokens"], f["optimizer"]) == (r["tokens"], r["optimizer"])), None)
+            return f"{r['head_start_step_ms'] / floor['head_start_step_ms']:.3f}" if floor else ""
+        lines += ["", "| tokens/step | AdamW | variant | step ms | with a head start, less "
+                      "it (the device's step) | over the floor's | host stalls in the step | "
+                      "host ms: forward / backward / optimizer | site calls a step launched "
+                      "from C++ |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['tokens']} | {r['optimizer']} | {r['variant']} | {r['step_ms']:.2f} | "
+                  f"{r['head_start_step_ms']:.2f} | {over_floor(r)} | "
+                  f"{r['step_ms'] - r['head_start_step_ms']:.2f} | " +
+                  " / ".join(f"{t:.2f}" for t in r["host_ms"].values()) +
+                  f" | {r['cpp_launches_per_step']:.1f} |" for r in ahead]
     lines += ["", f"| tokens/step | AdamW | variant | speedup over inductor (over the faster "
                   f"of inductor, inductor_overlap) | step / "
                   f"collective-free (target <= {TARGET} at 2048; inductor's) | loss curve max "
@@ -271,6 +338,9 @@ def add_arguments(parser):
     parser.add_argument("--one-rank-symm", action="store_true",
                         help="offer the symmetric-memory kernels at one rank (one GPU: the "
                              "pass's device-side cost without communication)")
+    parser.add_argument("--head-start-ms", type=positive_float, default=None,
+                        help="also time each variant's steps behind a sleep kernel of this "
+                             "length, less the sleep: the step with host stalls hidden")
     add_matmul_prologue(parser)
     add_model_sizes(parser, layers=4)
 

@@ -3,10 +3,14 @@
     python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         -m infini_dist.launch.profile_train --tokens 2048 --out prof_out
 
-Per variant of --variants among inductor, infini_dist and infini_dist_wgrad (AdamW foreach):
+Per variant of --variants among inductor, infini_dist, infini_dist_wgrad and collective_free
+(AdamW foreach):
 bench_train's step (after --warmup steps), then a torch.profiler trace of --prof-steps steps
-on rank 0, summarised as GPU time per kernel category, NCCL time hidden under compute
-(overlap), and each site's candidate timings and decision. Traces go to --out (gzipped).
+on rank 0 (--gpu-only: the device alone, on every rank), summarised as GPU time per kernel
+category, NCCL time hidden under compute (overlap), the device's idle gaps charged to the host
+ranges that launched late, each step's forward + backward and optimizer time on the device
+(--head-start-ms: each traced step behind a sleep that long, the host ahead of the device), and
+each site's candidate timings and decision. Traces go to --out (gzipped).
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ import gzip
 import json
 import os
 import re
+import time
 
 import torch
 import torch.distributed as dist
 
-from infini_dist.launch import shutdown
+from infini_dist.launch import collective_free, shutdown
 from infini_dist.launch.bench_model import setup
-from infini_dist.launch.bench_train import (WGRAD, TrainDecoder, decide_then_recompile,
-                                            parse_args as train_args, train_curve)
+from infini_dist.launch.bench_train import (FLOOR, WGRAD, TrainDecoder, decide_then_recompile,
+                                            parse_args as train_args, sleep_cycles_for,
+                                            train_curve)
 
 CATEGORIES = (  # first match wins
     ("nccl", re.compile(r"nccl", re.I)),
@@ -82,6 +88,68 @@ def summarise(trace: dict, steps: int) -> dict:
                     sorted(top.items(), key=lambda kv: -kv[1])[:14]]}
 
 
+def idle_gaps(trace: dict, steps: int, min_us: float = 5.0, top: int = 12) -> dict:
+    """Where the device sat idle, and what the host was doing then: each gap of at least
+    min_us between busy stretches is charged to the kernel that ends it, named by the host
+    ranges open when that kernel was launched (the outermost annotation and the innermost op
+    on the launching thread). A gap the host causes shows up under the op that launched late."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy",
+                                                             "gpu_memset")),
+                     key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    ranges: dict = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            ranges.setdefault((e["pid"], e["tid"]), []).append(e)
+    charged: dict = {}
+    end = None
+    for k in kernels:
+        if end is not None and k["ts"] - end >= min_us:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            label = ("?", k["name"][:50])
+            if launch is not None:
+                open_ = sorted((r for r in ranges.get((launch["pid"], launch["tid"]), ())
+                                if r["ts"] <= launch["ts"]
+                                and r["ts"] + r["dur"] >= launch["ts"] + launch["dur"]),
+                               key=lambda r: r["ts"])
+                if open_:
+                    label = (open_[0]["name"][:50], open_[-1]["name"][:50])
+            gap = k["ts"] - end
+            total, count = charged.get(label, (0.0, 0))
+            charged[label] = (total + gap, count + 1)
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    idle = sum(t for t, _ in charged.values())
+    return {"idle_us": idle / steps,
+            "gaps": [(outer, inner, t / steps, n / steps) for (outer, inner), (t, n) in
+                     sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
+MARK = "spin_kernel"  # torch.cuda._sleep's kernel: each traced step starts with one
+
+
+def device_phases(trace: dict) -> list:
+    """Per traced step, µs on the device: (forward + backward, the optimizer), from the step's
+    first kernel after its mark to the optimizer's first kernel (foreach AdamW's
+    multi_tensor_apply), and from there to the step's last kernel."""
+    kernels = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+                      and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    marks = [i for i, e in enumerate(kernels) if MARK in e["name"]] + [len(kernels)]
+    phases = []
+    for begin, stop in zip(marks, marks[1:]):
+        step = kernels[begin + 1:stop]
+        first = next((i for i, e in enumerate(step) if "multi_tensor_apply" in e["name"]), None)
+        if not first:
+            continue
+        end = max(e["ts"] + e["dur"] for e in step[first:])
+        phases.append((round(step[first]["ts"] - step[0]["ts"]),
+                       round(end - step[first]["ts"])))
+    return phases
+
+
 def profile_variant(variant, args, device, dtype, control, out):
     import infini_dist
     types = infini_dist.config.custom_op_fusion_types
@@ -94,26 +162,41 @@ def _profile(variant, args, device, dtype, control, out):
     import infini_dist.compile as idc
     torch._dynamo.reset()
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)
-    forward = decide_then_recompile(model, args.tokens[0], args, device, dtype) \
-        if variant != "inductor" else torch.compile(model)
+    if variant == "inductor":
+        forward = torch.compile(model)
+    elif variant == FLOOR:
+        forward = collective_free.compile_model(model, collective_free.CollectiveFree())
+    else:
+        forward = decide_then_recompile(model, args.tokens[0], args, device, dtype)
     row = train_curve(model, forward, args.tokens[0], "foreach", args, device, dtype, control)
     x = torch.randn(1, args.tokens[0], args.model.hidden, device=device).to(dtype)
     target = torch.randn(1, args.tokens[0], args.model.hidden, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    acts = [torch.profiler.ProfilerActivity.CPU]
+    # --gpu-only: no host ranges recorded, so the host runs at about its unprofiled speed
+    acts = [torch.profiler.ProfilerActivity.CPU] * (not args.gpu_only)
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
+    walls = []
+    # --head-start-ms: each traced step behind a sleep that long, so the trace shows the
+    # device's own timeline (the host ahead of it), else a 1-cycle mark
+    sleep = sleep_cycles_for(args.head_start_ms * 1e-3, device)[0] \
+        if args.head_start_ms and device.type == "cuda" else 1
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.prof_steps):
+            start = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda._sleep(sleep)  # the step's mark in the trace (device_phases)
             loss = torch.nn.functional.mse_loss(forward(x).float(), target)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        float(loss.detach())  # syncs the device
-    result = {"step_ms": row["step_ms"]}
-    if dist.get_rank() == 0:
-        path = os.path.join(out, f"trace_{variant}.json")
+            float(loss.detach())  # syncs the device
+            walls.append((time.perf_counter() - start) * 1e3)
+    result = {"step_ms": row["step_ms"], "traced_step_ms": [round(w, 2) for w in walls]}
+    if dist.get_rank() == 0 or args.gpu_only:
+        rank = f"_rank{dist.get_rank()}" * args.gpu_only
+        path = os.path.join(out, f"trace_{variant}{rank}.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)
@@ -121,7 +204,8 @@ def _profile(variant, args, device, dtype, control, out):
             g.write(f.read())
         os.remove(path)
         result.update(summarise(trace, args.prof_steps))
-        if variant != "inductor":
+        result.update(idle_gaps(trace, args.prof_steps), device_phases=device_phases(trace))
+        if variant not in ("inductor", FLOOR):
             result["sites"] = [{"op": d["op"], "choice": d["choice"],
                                 "outputs": json.loads(d["subgraph"])["outputs"],
                                 "times_us": {n: round(t * 1e6, 1) for n, t in
@@ -134,13 +218,15 @@ def _profile(variant, args, device, dtype, control, out):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prof-steps", type=int, default=3)
+    parser.add_argument("--gpu-only", action="store_true",
+                        help="trace the device only, on every rank (no host ranges)")
     known, rest = parser.parse_known_args(argv)
     args = train_args(rest)
-    args.prof_steps = known.prof_steps
+    args.prof_steps, args.gpu_only = known.prof_steps, known.gpu_only
     device, dtype, control = setup(args)
     os.makedirs(args.out, exist_ok=True)
     results = {v: profile_variant(v, args, device, dtype, control, args.out)
-               for v in args.variants if v in ("inductor", "infini_dist", WGRAD)}
+               for v in args.variants if v in ("inductor", "infini_dist", WGRAD, FLOOR)}
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "profile.json"), "w") as f:
             json.dump(results, f, indent=1)
@@ -156,6 +242,14 @@ def main(argv=None) -> int:
             print(f"\n[{v}] top kernels (us/step):")
             for c, n, t in r["top"]:
                 print(f"  {c:9s} {t:8.1f}  {n}")
+        for v, r in results.items():
+            print(f"\n[{v}] device idle {r['idle_us']:.0f} us/step; the gaps by the host "
+                  "ranges open at the launch that ended them (us/step, gaps/step):")
+            for outer, inner, t, n in r["gaps"]:
+                print(f"  {t:8.1f} {n:6.1f}  {outer} > {inner}")
+        for v, r in results.items():
+            print(f"[{v}] traced steps, ms: {r['traced_step_ms']}; on the device, "
+                  f"(forward + backward, optimizer) us: {r['device_phases']}")
         cats = sorted({c for r in results.values() for c in r["us_per_step"]})
         print("\n| variant | step ms | " + " | ".join(cats) +
               " | busy us | span us | nccl us | nccl hidden us |")

@@ -185,3 +185,63 @@ def test_profile_train_runs_its_variants_on_cpu(tmp_path):
     # the variant's sites, the backward's with their weight gradients
     assert any(s["op"].startswith("weight_gradient+all_reduce")
                for s in results[bench_train.WGRAD]["sites"])
+
+
+def test_profile_train_charges_idle_gaps_to_the_late_launch():
+    """profile_train.idle_gaps on a made-up trace: a gap is charged to the host ranges open
+    when the kernel ending it was launched, on that launch's thread; overlapping kernels on two
+    streams leave no gap; gaps under the threshold are not counted."""
+    from infini_dist.launch.profile_train import idle_gaps
+
+    def ev(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0,
+                "tid": tid, "args": args}
+    trace = {"traceEvents": [
+        ev("user_annotation", "Optimizer.step", 0, 1000),
+        ev("cpu_op", "aten::_foreach_add_", 10, 50),
+        ev("cuda_runtime", "cudaLaunchKernel", 20, 5, correlation=1),
+        ev("cpu_op", "aten::mm", 200, 100, tid=2),  # another thread: not open at launch 2
+        ev("cpu_op", "infini_dist::site", 150, 300),
+        ev("cuda_driver", "cuLaunchKernelEx", 400, 5, correlation=2),
+        ev("cuda_runtime", "cudaLaunchKernel", 30, 5, correlation=3),
+        ev("kernel", "a", 100, 50, correlation=1),             # busy 100..150
+        ev("kernel", "b", 140, 20, correlation=3),             # overlaps a: no gap
+        ev("kernel", "c", 162, 10, correlation=3),             # 2 us gap: under the threshold
+        ev("kernel", "d", 410, 10, correlation=2),             # 238 us gap, launched late
+    ]}
+    found = idle_gaps(trace, steps=2)
+    assert found["idle_us"] == 238 / 2
+    assert found["gaps"] == [("Optimizer.step", "infini_dist::site", 119.0, 0.5)]
+
+
+def test_profile_train_splits_marked_steps_into_phases():
+    """profile_train.device_phases: each marked step's forward + backward runs to the
+    optimizer's first kernel, the optimizer from there to the step's last kernel."""
+    from infini_dist.launch.profile_train import MARK, device_phases
+
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    step = [kernel("gemm", 10, 30), kernel("lamport", 45, 5),
+            kernel("multi_tensor_apply_kernel", 60, 20), kernel("FillFunc", 85, 5)]
+    trace = {"traceEvents": [kernel(MARK, 0, 1), *step, kernel(MARK, 200, 1),
+                             *({**k, "ts": k["ts"] + 200} for k in step)]}
+    assert device_phases(trace) == [(50, 30), (50, 30)]
+    assert device_phases({"traceEvents": step}) == []  # no marks: no steps to split
+
+
+def test_the_table_reads_the_head_start_steps_against_the_floors():
+    """bench_train.table with --head-start-ms rows: the device's step (the step behind a sleep,
+    less the sleep), over the floor's of the same tokens and AdamW, and the host stalls (the
+    step less the device's)."""
+    def row(variant, step, ahead):
+        return dict(tokens=2048, optimizer="foreach", variant=variant, step_ms=step,
+                    tokens_per_s=1.0, sites=0, native_sites=0, losses=[1.0],
+                    head_start_step_ms=ahead, cpp_launches_per_step=16.0,
+                    host_ms={"forward": 2.5, "backward": 3.0, "optimizer": 2.0})
+    text = bench_train.table([row("infini_dist", 18.0, 17.2), row(bench_train.FLOOR, 17.0, 16.0)],
+                             [])
+    lines = text.splitlines()
+    assert "| 2048 | foreach | infini_dist | 18.00 | 17.20 | 1.075 | 0.80 | 2.50 / 3.00 / " \
+           "2.00 | 16.0 |" in lines
+    assert f"| 2048 | foreach | {bench_train.FLOOR} | 17.00 | 16.00 | 1.000 | 1.00 |" in \
+        " ".join(lines)
