@@ -61,9 +61,15 @@ def _covered(interval, merged) -> float:
     return sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
 
 
+def device_work(trace: dict) -> list:
+    """The trace's kernels, copies and memsets, in start order."""
+    return sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+                   and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+
+
 def summarise(trace: dict, steps: int) -> dict:
-    kernels = [e for e in trace.get("traceEvents", [])
-               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels = device_work(trace)
     per_cat: dict = {}
     top: dict = {}
     for e in kernels:
@@ -94,9 +100,7 @@ def idle_gaps(trace: dict, steps: int, min_us: float = 5.0, top: int = 12) -> di
     ranges open when that kernel was launched (the outermost annotation and the innermost op
     on the launching thread). A gap the host causes shows up under the op that launched late."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy",
-                                                             "gpu_memset")),
-                     key=lambda e: e["ts"])
+    kernels = device_work(trace)
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and "correlation" in e.get("args", {})}
@@ -134,9 +138,7 @@ def device_phases(trace: dict) -> list:
     """Per traced step, µs on the device: (forward + backward, the optimizer), from the step's
     first kernel after its mark to the optimizer's first kernel (foreach AdamW's
     multi_tensor_apply), and from there to the step's last kernel."""
-    kernels = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
-                      and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                     key=lambda e: e["ts"])
+    kernels = device_work(trace)
     marks = [i for i, e in enumerate(kernels) if MARK in e["name"]] + [len(kernels)]
     phases = []
     for begin, stop in zip(marks, marks[1:]):
