@@ -130,11 +130,13 @@ FLAGS = {
     # kernel waiting longer for a peer traps instead of hanging. symm_group_items /
     # symm_round_items: n > 0 forces the two-shot items per step / per round (0: by size).
     # symm_preload: the Lamport kernels read the epilogue's operands before they poll (A/B).
+    # symm_pdl: programmatic dependent launch where a kernel and the GPU take it (A/B).
     # fast_launch: False keeps every kernel launch on Triton's normal path (A/B timing).
     "symm_timeout_s": (300.0, _positive_float),
     "symm_group_items": (0, check_nonneg_int),
     "symm_round_items": (0, check_nonneg_int),
     "symm_preload": (True, check_bool),
+    "symm_pdl": (True, check_bool),
     "fast_launch": (True, check_bool),
     # express_ops: an eager op's call whose committed symmetric-memory launch was recorded is
     # matched and launched from C++ (kernels/express.py); False keeps them all in Python.

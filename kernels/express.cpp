@@ -1,6 +1,6 @@
 // The eager ops' per-call path below Python (kernels/express.py builds and explains it): a
 // table of committed launches, each matched on the op, its group, its scalar and the exact
-// layout of its tensors, then launched with cuLaunchKernel on the current stream. Python only
+// layout of its tensors, then launched with cuLaunchKernelEx on the current stream. Python only
 // builds the records; a call that matches none returns None and takes the Python path.
 //
 // It includes no torch header: torch's types and the few callables it needs (torch.empty, the
@@ -23,9 +23,6 @@
 
 namespace {
 
-// cuLaunchKernel's signature, with the driver's handle types as void*.
-using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                         unsigned, void*, void**, void**);
 using ParamInfoFn = int (*)(void*, size_t, size_t*, size_t*);
 
 void* driver_symbol(const char* name) {
@@ -33,7 +30,23 @@ void* driver_symbol(const char* name) {
   return library == nullptr ? nullptr : dlsym(library, name);
 }
 
-LaunchFn launcher = nullptr;  // cuLaunchKernel unless a test set another
+// cuLaunchKernelEx's config and attribute as cuda.h (CUDA 12) lays them out, with the driver's
+// handle types as void*; the one attribute used: programmatic stream serialization (6), for
+// kernels Triton compiled with launch_pdl.
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  union { char bytes[64]; int value; };  // cuda.h's union is 64 bytes, at offset 8
+};
+struct LaunchConfig {
+  unsigned grid[3], block[3], shared;
+  void* stream;
+  LaunchAttribute* attributes;
+  unsigned count;
+};
+static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "cuda.h's layout");
+using LaunchFn = int (*)(const LaunchConfig*, void*, void**, void**);
+LaunchFn launcher = nullptr;  // cuLaunchKernelEx unless a test set another
 
 // A new reference, released when it goes out of scope.
 struct Decref {
@@ -76,6 +89,7 @@ struct Record {
   std::vector<int> returned;  // indices into outputs, in the op's order
   uint64_t function;
   unsigned grid[3], threads, shared;
+  bool pdl;  // with programmatic dependent launch
   std::vector<uint64_t> cells;              // one 8-byte cell per kernel parameter
   std::vector<std::pair<int, int>> slots;   // (cell, tensor: inputs, then outputs)
 };
@@ -170,12 +184,14 @@ PyObject* launch(const Record& record, PyObject* const* items, Py_ssize_t count,
   }
   std::vector<void*> params(cells.size());
   for (size_t i = 0; i < cells.size(); ++i) params[i] = &cells[i];
-  int status = launcher(reinterpret_cast<void*>(record.function), record.grid[0],
-                        record.grid[1], record.grid[2], record.threads, 1, 1, record.shared,
-                        stream, params.data(), nullptr);
+  LaunchAttribute attribute{6, {}, {}};
+  attribute.value = 1;
+  LaunchConfig config{{record.grid[0], record.grid[1], record.grid[2]}, {record.threads, 1, 1},
+                      record.shared, stream, &attribute, record.pdl ? 1u : 0u};
+  int status = launcher(&config, reinterpret_cast<void*>(record.function), params.data(), nullptr);
   if (status != 0) {
     failed = true;
-    PyErr_SetString(PyExc_RuntimeError, ("infini_dist express launch: cuLaunchKernel returned "
+    PyErr_SetString(PyExc_RuntimeError, ("infini_dist express launch: the driver returned "
                                          + std::to_string(status)).c_str());
     return nullptr;
   }
@@ -295,7 +311,7 @@ std::vector<T> vector_of(const char* bytes, Py_ssize_t length) {
 }
 
 // add(op, group, keep, scalar, device, inputs, outputs, returned, function, grid, threads,
-//     shared, cells, slots), from express.add: inputs as (sizes, strides, dtype, aligned),
+//     shared, cells, slots, pdl), from express.add: inputs as (sizes, strides, dtype, aligned),
 // outputs as (sizes, dtype, device, like the first input), grid as 3 ints; returned (int32),
 // cells (uint64) and slots ((cell, tensor) int32 pairs) as packed native-order bytes.
 PyObject* add(PyObject*, PyObject* args) {
@@ -304,15 +320,17 @@ PyObject* add(PyObject*, PyObject* args) {
   const char *returned, *cells, *slots;
   Py_ssize_t returned_n, cells_n, slots_n;
   unsigned long long function;
-  if (!PyArg_ParseTuple(args, "iOOdiO!O!y#K(III)IIy#y#", &record->op, &group, &keep,
+  int pdl = 0;
+  if (!PyArg_ParseTuple(args, "iOOdiO!O!y#K(III)IIy#y#|p", &record->op, &group, &keep,
                         &record->scalar, &record->device, &PyList_Type, &inputs, &PyList_Type,
                         &outputs, &returned, &returned_n, &function, &record->grid[0],
                         &record->grid[1], &record->grid[2], &record->threads, &record->shared,
-                        &cells, &cells_n, &slots, &slots_n))
+                        &cells, &cells_n, &slots, &slots_n, &pdl))
     return nullptr;
-  if (launcher == nullptr) launcher = reinterpret_cast<LaunchFn>(driver_symbol("cuLaunchKernel"));
+  record->pdl = pdl != 0;
+  if (launcher == nullptr) launcher = reinterpret_cast<LaunchFn>(driver_symbol("cuLaunchKernelEx"));
   if (launcher == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "infini_dist express: no cuLaunchKernel");
+    PyErr_SetString(PyExc_RuntimeError, "infini_dist express: no cuLaunchKernelEx");
     return nullptr;
   }
   record->group.reset(Py_NewRef(group));

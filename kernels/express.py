@@ -7,8 +7,9 @@ than a bare NCCL all_reduce. Once a call has gone that way and ended in a FastLa
 per-call tensors are the op's inputs and fresh outputs, its launch is recorded here: the
 kernel's function handle, grid and parameters as the driver takes them, which parameters are
 the op's tensors, and the exact layout those tensors had. Later calls with the same op, group,
-scalar and layouts are matched in C++, which allocates the outputs and calls cuLaunchKernel on
-the current stream: what Triton's launcher does for the same arguments, without the Python.
+scalar and layouts are matched in C++, which allocates the outputs and calls cuLaunchKernelEx
+on the current stream (with programmatic dependent launch for a kernel compiled with
+launch_pdl): what Triton's launcher does for the same arguments, without the Python.
 
 The parameters are packed from the compiled kernel's signature (constexprs dropped, tuples
 flattened, pointers as addresses), and a record is made only when the packing agrees with the
@@ -223,7 +224,6 @@ def launch_record(launch) -> dict | None:
     if (getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0)
             or getattr(metadata, "num_ctas", 1) != 1
             or getattr(metadata, "launch_cooperative_grid", False)
-            or getattr(metadata, "launch_pdl", False)
             or tuple(getattr(metadata, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) not in
             ((1, 1, 1), (0, 0, 0))):
         return None
@@ -237,7 +237,8 @@ def launch_record(launch) -> dict | None:
         return None  # not the ABI this packing assumes: Triton's own launcher stays
     return dict(function=compiled.function, grid=list(launch.grid),
                 threads=32 * metadata.num_warps, shared=metadata.shared,
-                cells=cells + [0] * extra, slots=slots)
+                cells=cells + [0] * extra, slots=slots,
+                pdl=bool(getattr(metadata, "launch_pdl", False)))
 
 
 def add(op: int, group, scalar: float, device: int, inputs: list, outputs: list,
@@ -260,5 +261,6 @@ def add(op: int, group, scalar: float, device: int, inputs: list, outputs: list,
     built.add(op, group, keep, float(scalar), device, layouts, made,
               array.array("i", returned).tobytes(), record["function"], tuple(record["grid"]),
               record["threads"], record["shared"], array.array("Q", record["cells"]).tobytes(),
-              array.array("i", [i for pair in record["slots"] for i in pair]).tobytes())
+              array.array("i", [i for pair in record["slots"] for i in pair]).tobytes(),
+              bool(record.get("pdl", False)))
     return True

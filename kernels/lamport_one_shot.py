@@ -26,8 +26,8 @@ from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half,
-                                             finish_loaded, item_range, program_items,
-                                             push_items, take_with_operands)
+                                             finish_loaded, item_range, pdl_options, program_items,
+                                             push_items, take_with_operands, wait_for_predecessor)
 from infini_dist.kernels.symm_signal import peer_pointer
 
 
@@ -36,7 +36,9 @@ def lamport_one_shot_kernel(
         x_ptr, prologue, epilogue, data_table, epoch_ptr, numel, slot_stride, half_stride, rank,
         timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
         BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr, WORLD_SIZE: tl.constexpr,
-        WS_P2: tl.constexpr, ON_GPU: tl.constexpr, PRELOAD: tl.constexpr):
+        WS_P2: tl.constexpr, ON_GPU: tl.constexpr, PRELOAD: tl.constexpr,
+        PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL, ON_GPU)
     pid, programs, first_item, items = program_items(numel, ITEM)
     calls, half = call_half(epoch_ptr, pid, half_stride)
 
@@ -73,6 +75,7 @@ def lamport_one_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options)
     if buffer.world_size > 4:
         kwargs["num_warps"] = min(16, 2 * layout.num_warps)
     kwargs.update(MAX_PROGRAMS=MAX_PROGRAMS, PRELOAD=tuning.preload)
+    kwargs.update(pdl_options(tuning, x))
     return lamport_one_shot_kernel, (layout.grid,), args, kwargs
 
 

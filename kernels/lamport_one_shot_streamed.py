@@ -33,7 +33,8 @@ from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, round_to
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, apply_prologue,
                                              call_half, finish_loaded, group_items, item_group,
-                                             program_items, take_with_operands)
+                                             pdl_options, program_items, take_with_operands,
+                                             wait_for_predecessor)
 from infini_dist.kernels.symm_signal import never_empty, peer_pointer
 
 
@@ -70,7 +71,8 @@ def lamport_one_shot_streamed_kernel(
         timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
         BLOCK: tl.constexpr, GROUP: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
         WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr,
-        PRELOAD: tl.constexpr):
+        PRELOAD: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL, ON_GPU)
     pid, programs, first_item, items = program_items(numel, ITEM)
     calls, half = call_half(epoch_ptr, pid, half_stride)
     dtype = x_ptr.dtype.element_ty
@@ -123,6 +125,7 @@ def lamport_one_shot_streamed_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, *
                    part_elements(buffer, x.element_size(), 2), buffer.rank, tuning.timeout_ns)
     kwargs.update(GROUP=group, MAX_PROGRAMS=MAX_PROGRAMS, PRELOAD=tuning.preload,
                   num_warps=min(16, 2 * layout.num_warps * group))
+    kwargs.update(pdl_options(tuning, x))
     return lamport_one_shot_streamed_kernel, (layout.grid,), args, kwargs
 
 

@@ -25,8 +25,8 @@ from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, launch_layout
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, apply_prologue,
-                                             call_half, finish_items, program_items,
-                                             push_to_peers, staging_targets)
+                                             call_half, finish_items, pdl_options, program_items,
+                                             push_to_peers, staging_targets, wait_for_predecessor)
 from infini_dist.kernels.symm_signal import never_empty, peer_pointer, take
 
 
@@ -36,7 +36,8 @@ def lamport_two_shot_kernel(
         PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr, BLOCK: tl.constexpr,
         SUB: tl.constexpr, SUB_BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
         WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr,
-        PRELOAD: tl.constexpr):
+        PRELOAD: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL, ON_GPU)
     pid, programs, first_item, items = program_items(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
     calls, half = call_half(epoch_ptr, pid, half_stride)
@@ -97,6 +98,7 @@ def lamport_two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options)
                   # Half the barrier kernel's warps: measured faster at 128 x 4096 bf16 on 4 H200s
                   # (docs/notes_symm.md, session 2).
                   num_warps=max(4, layout.num_warps // 2))
+    kwargs.update(pdl_options(tuning, x))
     return lamport_two_shot_kernel, (layout.grid,), args, kwargs
 
 

@@ -22,8 +22,8 @@ import triton.language as tl
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments
-from infini_dist.kernels.symm_device import (DEFAULT_TUNING, call_half, program_items,
-                                             push_items, reduce_slots)
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, call_half, pdl_options, program_items,
+                                             push_items, reduce_slots, wait_for_predecessor)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns"])
@@ -31,7 +31,9 @@ def one_shot_all_reduce_kernel(
         x_ptr, prologue, epilogue, data_table, signal_table, epoch_ptr, numel, slot_stride,
         half_stride, rank, timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
         ITEM: tl.constexpr, BLOCK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
-        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr,
+        PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL, ON_GPU)
     pid, programs, first_item, items = program_items(numel, ITEM)
     calls, half = call_half(epoch_ptr, pid, half_stride)
 
@@ -60,6 +62,7 @@ def one_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
                    slot_elements(x.numel()), part_elements(buffer, x.element_size(), 2),
                    buffer.rank, tuning.timeout_ns)
     kwargs["MAX_PROGRAMS"] = MAX_PROGRAMS
+    kwargs.update(pdl_options(tuning, x))
     return one_shot_all_reduce_kernel, (layout.grid,), args, kwargs
 
 

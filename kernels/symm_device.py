@@ -23,10 +23,13 @@ Barriers and Lamport signalling are in symm_signal; op codes and layouts in symm
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from infini_dist.kernels.symm_chain import (NO_NORM, apply_chain, finish_item, norm_operands,
                                             round_to)
@@ -77,6 +80,16 @@ def push_to_peers(data_table, rank, offsets, values, mask, WORLD_SIZE: tl.conste
     for step in tl.static_range(WORLD_SIZE):
         peer = (rank + step) % WORLD_SIZE  # staggered, so peers are not all hit at once
         tl.store(peer_pointer(data_table, peer, values.dtype) + offsets, values, mask=mask)
+
+
+@triton.jit
+def wait_for_predecessor(PDL: tl.constexpr, ON_GPU: tl.constexpr):
+    """A kernel's first step under programmatic dependent launch (`pdl_options`): wait for the
+    kernel before it on the stream (nothing before this reads what that one writes), then let
+    the next launch start early."""
+    if PDL and ON_GPU:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -276,12 +289,14 @@ class SymmTuning:
     operands (residual, norm weight) before they poll for the peers' data, not after; off for
     comparisons (launch/bench_knobs.py). `fold_row_max`: a per-token quantizer after an RMSNorm
     takes the row max from the norm's reduction rather than reducing the row again (the same
-    bits); off for comparisons."""
+    bits); off for comparisons. `pdl`: the all-reduce kernels launch with programmatic dependent
+    launch where the GPU has it (`pdl_options`); off for comparisons."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     group_items: int = 0
     round_items: int = 0
     preload: bool = True
     fold_row_max: bool = True
+    pdl: bool = True
 
     def __post_init__(self):
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
@@ -291,7 +306,7 @@ class SymmTuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        for name in ("preload", "fold_row_max"):
+        for name in ("preload", "fold_row_max", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -301,6 +316,34 @@ class SymmTuning:
 
 
 DEFAULT_TUNING = SymmTuning()
+
+
+# CUDA graphs capture a programmatic launch as such from CUDA 12.3 on.
+PDL_CUDA = (12, 3)
+
+
+@functools.cache
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _cuda_version() -> tuple:
+    return tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+
+
+def pdl_options(tuning: SymmTuning, tensor) -> dict:
+    """A launch's options for programmatic dependent launch: the kernel may be launched while
+    the kernel before it on the stream finishes (its wait is on the device, `gdc_wait`, before
+    its first read), and it lets the next one launch early. On 2 GPUs, at 1-16 tokens, a call
+    after a cuBLAS GEMM took about 0.9 µs less of its 3-4 µs (docs/notes_symm.md, session 24).
+    Where `tuning.pdl`, `tensor` is on a GPU that has it (sm_90 on: griddepcontrol) and torch's
+    CUDA is PDL_CUDA or later."""
+    if not (tuning.pdl and tensor.is_cuda) or _cuda_version() < PDL_CUDA:
+        return {}
+    index = tensor.device.index
+    if _major(torch.cuda.current_device() if index is None else index) < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def group_items(items: int, grid: int, tuning: SymmTuning = DEFAULT_TUNING) -> int:

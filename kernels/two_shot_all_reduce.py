@@ -32,9 +32,9 @@ import triton.language as tl
 from infini_dist.kernels.symm_buffers import slot_elements, upper_half_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import fused_arguments, launch_layout
-from infini_dist.kernels.symm_device import (DEFAULT_TUNING, SymmTuning, finish_items,
-                                             group_items, program_items, reduce_items,
-                                             scatter_items, staging_targets)
+from infini_dist.kernels.symm_device import (DEFAULT_TUNING, SymmTuning, finish_items, group_items,
+                                             pdl_options, program_items, reduce_items,
+                                             scatter_items, staging_targets, wait_for_predecessor)
 from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
@@ -43,7 +43,9 @@ def two_shot_all_reduce_kernel(
         x_ptr, prologue, epilogue, data_table, signal_table, numel, gather_offset, rank,
         timeout_ns, round_items, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, ITEM: tl.constexpr,
         BLOCK: tl.constexpr, SUB: tl.constexpr, SUB_BLOCK: tl.constexpr, GROUP: tl.constexpr,
-        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
+        WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr, ON_GPU: tl.constexpr,
+        PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL, ON_GPU)
     pid, programs, first_item, items = program_items(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
     # Data area: W staging slots of items * SUB elements; at gather_offset, the gathered copy.
@@ -104,6 +106,7 @@ def two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
                    tuning.timeout_ns, round_items(items, layout.grid, tuning))
     kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block,
                   GROUP=group_items(items, layout.grid, tuning))
+    kwargs.update(pdl_options(tuning, x))
     return two_shot_all_reduce_kernel, (layout.grid,), args, kwargs
 
 

@@ -29,8 +29,9 @@ from infini_dist.kernels.symm_buffers import part_elements, slot_elements
 from infini_dist.kernels.symm_call import SymmKernel
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS, fused_arguments, launch_layout
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half,
-                                             finish_items, group_items, program_items,
-                                             reduce_items, scatter_items, staging_targets)
+                                             finish_items, group_items, pdl_options, program_items,
+                                             reduce_items, scatter_items, staging_targets,
+                                             wait_for_predecessor)
 from infini_dist.kernels.symm_signal import block_barrier, peer_pointer
 
 
@@ -40,7 +41,9 @@ def two_shot_polled_gather_kernel(
         gather_offset, rank, timeout_ns, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
         ITEM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, SUB_BLOCK: tl.constexpr,
         GROUP: tl.constexpr, MAX_PROGRAMS: tl.constexpr, WORLD_SIZE: tl.constexpr,
-        WS_P2: tl.constexpr, ON_GPU: tl.constexpr, PRELOAD: tl.constexpr):
+        WS_P2: tl.constexpr, ON_GPU: tl.constexpr, PRELOAD: tl.constexpr,
+        PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL, ON_GPU)
     pid, programs, first_item, items = program_items(numel, ITEM)
     dtype = x_ptr.dtype.element_ty
     calls, half = call_half(epoch_ptr, pid, half_stride)
@@ -96,6 +99,7 @@ def two_shot_polled_gather_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **op
                   # x 4096 bf16 at 8192 tokens ran faster with 16 warps than with 8 (1024
                   # tokens: 8 warps; docs/notes_symm.md, session 2).
                   num_warps=max(4, min(16, group * layout.block // 1024)))
+    kwargs.update(pdl_options(tuning, x))
     return two_shot_polled_gather_kernel, (layout.grid,), args, kwargs
 
 

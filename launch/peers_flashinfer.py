@@ -7,8 +7,8 @@ Optional: `pip install infini_dist[flashinfer]` (the device carries a trimmed wh
   fi_fused_two_shot   the same, its two-shot kernel (needs tokens > world size)
   fi_ar_one_shot      other patterns: the same kernels with pattern kAllReduce, then the
   fi_ar_two_shot      epilogue in eager torch (as the symm_* peers)
-Every kernel runs with fp32 accumulation and without programmatic dependent launch, like the
-other peers. One IPC workspace per group, sized for the sweep's largest case, made once and
+Every kernel runs with fp32 accumulation, each without programmatic dependent launch and with it
+(the `_pdl` rows), since our streamed kernel takes it where the GPU has it. One IPC workspace per group, sized for the sweep's largest case, made once and
 freed by close(); its first use JIT-builds the kernels with nvcc (minutes, cached after).
 """
 
@@ -79,22 +79,25 @@ class FlashInferPeers:
                                                                          self.group)
             self.handles = self.workspace = None
 
-    def _variants(self, tokens: int) -> list[tuple[str, bool]]:
+    def _variants(self, tokens: int) -> list[tuple[str, bool, bool]]:
+        """(name suffix, one-shot, programmatic dependent launch): each kernel without PDL and
+        with it (`_pdl`), as ours run where the GPU has it."""
         # The one-shot kernel stages every rank's input in the Lamport buffer; past its size the
         # library would switch to two-shot under the one-shot name, so the row is left out.
         lamport = tokens * self.hidden * self.world * self.dtype.itemsize
         out = [("one_shot", True)] if lamport <= self.meta["lamport_comm_size"] else []
         if tokens > self.world:  # the two-shot kernel splits the tokens over the ranks
             out.append(("two_shot", False))
-        return out
+        return [(suffix + tail, oneshot, pdl) for suffix, oneshot in out
+                for tail, pdl in (("", False), ("_pdl", True))]
 
-    def _call(self, x, oneshot, pattern_code, **outputs):
+    def _call(self, x, oneshot, pdl, pattern_code, **outputs):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             self.comm.trtllm_allreduce_fusion(
                 allreduce_in=x, world_size=self.world, world_rank=self.rank,
                 token_num=x.shape[0], hidden_dim=self.hidden, workspace_ptrs=self.workspace,
-                launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,
+                launch_with_pdl=pdl, trigger_completion_at_end=True, fp32_acc=True,
                 pattern_code=pattern_code, use_oneshot=oneshot,
                 allreduce_out=outputs.get("allreduce_out"),
                 residual_in=outputs.get("residual_in"),
@@ -139,19 +142,19 @@ class FlashInferPeers:
                              f"got {tuple(x.shape)} {x.dtype}")
         codes = self.comm.AllReduceFusionPattern
         impls = {}
-        for suffix, oneshot in self._variants(x.shape[0]):
+        for suffix, oneshot, pdl in self._variants(x.shape[0]):
             fused = self._fused(pattern, x, inputs, eps, fp8_scale)
             if fused is not None:
-                def run(oneshot=oneshot, fused=fused):
+                def run(oneshot=oneshot, pdl=pdl, fused=fused):
                     code, outs, order = fused
-                    self._call(x, oneshot, code, **outs)
+                    self._call(x, oneshot, pdl, code, **outs)
                     return tuple(outs[name] for name in order)
                 name = f"fi_fused_{suffix}"
             else:
                 y = torch.empty_like(x)
 
-                def run(oneshot=oneshot, y=y):
-                    self._call(x, oneshot, codes.kAllReduce, allreduce_out=y)
+                def run(oneshot=oneshot, pdl=pdl, y=y):
+                    self._call(x, oneshot, pdl, codes.kAllReduce, allreduce_out=y)
                     return epilogue(y, inputs)
                 name = f"fi_ar_{suffix}"
             try:

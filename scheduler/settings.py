@@ -34,6 +34,7 @@ class Settings:
     symm_group_items: int
     symm_round_items: int
     symm_preload: bool
+    symm_pdl: bool
     fast_launch: bool
     express_ops: bool
 

@@ -6,6 +6,8 @@ Each kernel's own tests, on GPUs too: tests/test_symm_<kernel file>.py.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -202,16 +204,16 @@ def test_layout_is_shape_only_and_fits(world_size):
         symm_chain.launch_layout(100, 7, 1, world_size)
 
 
-def test_launch_knobs_reach_every_kernel_launch():
+def test_launch_knobs_reach_every_kernel_launch(monkeypatch):
     """infini_dist.config's symm_* settings, as the engine passes them (tuning_of), shape the
     launch: the timeout every kernel is handed, two-shot groups and rounds, the Lamport
-    kernels' preload."""
+    kernels' preload, programmatic dependent launch."""
     from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
     from infini_dist.kernels.symm_device import DEFAULT_TUNING
     with infini_dist.config.patch(symm_timeout_s=7.5, symm_group_items=3, symm_round_items=5,
-                                  symm_preload=False):
+                                  symm_preload=False, symm_pdl=False):
         tuning = tuning_of(infini_dist.config.snapshot())
-    assert tuning_of(None) == DEFAULT_TUNING
+    assert tuning_of(None) == DEFAULT_TUNING and (DEFAULT_TUNING.pdl, tuning.pdl) == (True, False)
     graph, shape = build("add_rms_norm"), (3, 40)
     plan = plan_span(full_span(graph), meta_of(graph, shape, torch.float32), CUDA4)
     buffer = from_peer_tensors([torch.zeros(header_bytes(4) + (1 << 16), dtype=torch.uint8)
@@ -220,6 +222,9 @@ def test_launch_knobs_reach_every_kernel_launch():
                                                                         torch.float32).items()}
     x, written = tensors[plan.source], plan.allocate(torch.device("cpu"))
     for name, algorithm in sorted(symm_algorithms().items()):
+        monkeypatch.setattr(sys.modules[algorithm.kernel.launch.__module__], "pdl_options",
+                            lambda tuning, x: {"PDL": True, "launch_pdl": True} if tuning.pdl
+                            else {})
         (_, _, default, default_kw), (_, _, tuned, tuned_kw) = (
             algorithm.launch_arguments(plan, x, tensors, buffer, written, t)
             for t in (DEFAULT_TUNING, tuning))
@@ -231,6 +236,29 @@ def test_launch_knobs_reach_every_kernel_launch():
             assert (default[-1], tuned[-1]) == (1, 5)
         if algorithm.kernel.lamport:  # the kernels that poll read the epilogue's operands first
             assert (default_kw["PRELOAD"], tuned_kw["PRELOAD"]) == (True, False), name
+        # programmatic dependent launch as pdl_options says (stood in: these are CPU tensors)
+        assert (default_kw.get("launch_pdl"), tuned_kw.get("launch_pdl")) == (True, None), name
+        assert (default_kw.get("PDL"), tuned_kw.get("PDL")) == (True, None), name
+
+
+def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
+    # On for a CUDA tensor on sm_90 and later when the tuning asks for it; never on CPU ranks
+    # (the interpreter has no griddepcontrol), on older GPUs, before CUDA 12.3, or with it off.
+    from types import SimpleNamespace
+
+    from infini_dist.kernels import symm_device
+    from infini_dist.kernels.symm_device import DEFAULT_TUNING, SymmTuning, pdl_options
+    majors, cuda = {0: 9, 1: 8}, {"version": (12, 3)}
+    monkeypatch.setattr(symm_device, "_major", lambda index: majors[index])
+    monkeypatch.setattr(symm_device, "_cuda_version", lambda: cuda["version"])
+    hopper, ampere = (SimpleNamespace(is_cuda=True, device=torch.device("cuda", i))
+                      for i in (0, 1))
+    assert pdl_options(DEFAULT_TUNING, hopper) == {"PDL": True, "launch_pdl": True}
+    assert pdl_options(SymmTuning(pdl=False), hopper) == {}
+    assert pdl_options(DEFAULT_TUNING, ampere) == {}
+    assert pdl_options(DEFAULT_TUNING, torch.ones(2)) == {}
+    cuda["version"] = (12, 2)  # graph capture of a programmatic launch needs 12.3
+    assert pdl_options(DEFAULT_TUNING, hopper) == {}
 
 
 # ---- every kernel through the registry, interpreted and on GPUs ----------------------------------

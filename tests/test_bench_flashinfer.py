@@ -80,3 +80,20 @@ def test_fused_variants_per_pattern():
                      "add_rms_norm_fp8": (2, ("quant_out", "residual_out")),
                      "add_rms_norm_fp8_token": (10, ("quant_out", "scale_out", "residual_out")),
                      "swiglu": None, "relu_scale": None}
+
+
+def test_each_kernel_is_timed_without_and_with_programmatic_dependent_launch():
+    # Our streamed kernel launches with PDL where the GPU has it, so FlashInfer's kernels get
+    # their own PDL rows (`_pdl`) beside the plain ones; the one-shot only while its Lamport
+    # buffer holds the tensor, the two-shot only past one token a rank.
+    import torch
+
+    from infini_dist.launch.peers_flashinfer import FlashInferPeers
+
+    peer = FlashInferPeers.__new__(FlashInferPeers)
+    peer.hidden, peer.world, peer.dtype = 64, 2, torch.bfloat16
+    peer.meta = {"lamport_comm_size": 8 * 64 * 2 * 2}
+    assert peer._variants(8) == [("one_shot", True, False), ("one_shot_pdl", True, True),
+                                 ("two_shot", False, False), ("two_shot_pdl", False, True)]
+    assert peer._variants(16) == [("two_shot", False, False), ("two_shot_pdl", False, True)]
+    assert peer._variants(2) == [("one_shot", True, False), ("one_shot_pdl", True, True)]

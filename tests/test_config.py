@@ -91,6 +91,7 @@ def test_kernel_launch_knobs_are_validated_flags():
         with pytest.raises(ValueError, match=f"INFINI_DIST_{name.upper()}"):
             parse_env(name, text)
     # The kernels' own check, for callers that build the knobs themselves.
-    for bad in ({"timeout_s": 0}, {"group_items": -1}, {"round_items": 1.5}, {"preload": 1}):
+    for bad in ({"timeout_s": 0}, {"group_items": -1}, {"round_items": 1.5}, {"preload": 1},
+                {"pdl": "yes"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SymmTuning(**bad)

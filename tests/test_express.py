@@ -1,5 +1,5 @@
 """The eager ops' C++ path (kernels/express.cpp, kernels/express.py) on the CPU: the table is
-built for real, and a stand-in for cuLaunchKernel (a ctypes callback) plays the kernel: it
+built for real, and a stand-in for cuLaunchKernelEx (a ctypes callback) plays the kernel: it
 reads the parameters it is handed and writes 2 * x + 1 into the output's address. So these
 tests see what a GPU launch would be handed (every parameter's bytes, the grid, the threads,
 the shared memory), that the outputs returned are the tensors whose addresses were launched,
@@ -18,16 +18,30 @@ import torch
 
 from infini_dist.kernels import express
 
-LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                           ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p))
 SEEN = []
 
 
+class _Attribute(ctypes.Structure):  # cuda.h's CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _Config(ctypes.Structure):  # cuda.h's CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attributes", ctypes.POINTER(_Attribute)), ("count", ctypes.c_uint)]
+
+
 @LAUNCH
-def _stand_in(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+def _stand_in(config, function, params, extra):
+    c = _Config.from_address(config)
     cells = [ctypes.c_uint64.from_address(params[i]).value for i in range(5)]
-    SEEN.append(dict(function=function, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared,
-                     cells=cells))
+    SEEN.append(dict(function=function, grid=tuple(c.grid), block=tuple(c.block),
+                     shared=c.shared, cells=cells,
+                     attributes=[(c.attributes[i].id, c.attributes[i].value)
+                                 for i in range(c.count)]))
     x_address, out_address, numel = cells[0], cells[2], cells[3] & 0xFFFFFFFF
     x = (ctypes.c_float * numel).from_address(x_address)
     out = (ctypes.c_float * numel).from_address(out_address)
@@ -46,13 +60,13 @@ def table():
     built.clear()
 
 
-def _record(table, group, x, weight, scalar=0.5, aligned=(True, False)):
+def _record(table, group, x, weight, scalar=0.5, aligned=(True, False), pdl=False):
     # parameters: x, weight (a fixed address), out, numel (i32), eps (fp32 bits)
     cells = [0, weight.data_ptr(), 0, x.numel(), struct.unpack("<I", struct.pack("<f", 1e-5))[0]]
     out = torch.empty_like(x)
     return express.add(3, group, scalar, -1, [x, weight], [out], [0],
                        dict(function=77, grid=[5, 1, 1], threads=128, shared=1024,
-                            cells=cells, slots=[(0, 0), (2, 2)]), list(aligned))
+                            cells=cells, slots=[(0, 0), (2, 2)], pdl=pdl), list(aligned))
 
 
 def _fresh(table):
@@ -86,6 +100,24 @@ def test_a_recorded_call_launches_from_cpp_with_the_recorded_parameters(table):
     assert out.shape == y.shape and out.dtype == y.dtype and out.is_contiguous()
     (again,) = table.call(3, group, 0.5, [y, weight])
     assert again.data_ptr() != out.data_ptr()  # fresh outputs every call
+
+
+def test_a_pdl_record_launches_with_programmatic_stream_serialization(table):
+    # A kernel compiled with launch_pdl: one launch attribute, programmatic stream serialization
+    # (6) allowed (1); others none; the same grid, block, memory and parameters either way.
+    for pdl in (True, False):
+        table.clear()
+        group, weight = object(), torch.randn(8)
+        assert _record(table, group, torch.randn(4, 8), weight, pdl=pdl)
+        SEEN.clear()
+        y = torch.randn(4, 8)
+        (out,) = table.call(3, group, 0.5, [y, weight])
+        (launch,) = SEEN
+        assert launch["attributes"] == ([(6, 1)] if pdl else [])
+        assert (launch["function"], launch["grid"], launch["block"], launch["shared"]) == (
+            77, (5, 1, 1), (128, 1, 1), 1024)
+        assert launch["cells"][:3] == [y.data_ptr(), weight.data_ptr(), out.data_ptr()]
+        torch.testing.assert_close(out, 2 * y + 1, rtol=0, atol=0)
 
 
 def test_only_the_recorded_op_group_scalar_and_layouts_match(table):
@@ -189,7 +221,10 @@ def test_launch_record_only_where_the_driver_reports_the_packed_parameters(monke
                                         clear=lambda: None))
     record = express.launch_record(launch)
     assert record == dict(function=5, grid=[2, 1, 1], threads=128, shared=96,
-                          cells=[0, 7, 0, 0], slots=[(0, 0)])
+                          cells=[0, 7, 0, 0], slots=[(0, 0)], pdl=False)
+    metadata.launch_pdl = True  # launched with programmatic dependent launch
+    assert express.launch_record(launch)["pdl"] is True
+    metadata.launch_pdl = False
     for sizes in ([8, 8, 8, 8], [8, 4, 8, 8, 8], [8], []):  # not the ABI packed: no record
         driver["sizes"] = sizes
         assert express.launch_record(launch) is None, sizes

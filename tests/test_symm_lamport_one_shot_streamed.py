@@ -51,3 +51,4 @@ def test_two_rows_a_step_with_many_rows_a_program():
         *_, kwargs, _ = lamport_one_shot_streamed_all_reduce.bind(torch.randn(8192, 8),
                                                                   buffer=buffer)
         assert kwargs["GROUP"] == 1  # no norm: chunks, not rows
+

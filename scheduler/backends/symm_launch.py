@@ -21,7 +21,8 @@ def tuning_of(settings) -> SymmTuning:
     if settings is None:
         return DEFAULT_TUNING
     return SymmTuning(settings.symm_timeout_s, settings.symm_group_items,
-                      settings.symm_round_items, settings.symm_preload)
+                      settings.symm_round_items, settings.symm_preload,
+                      pdl=settings.symm_pdl)
 
 
 class PreparedLaunch:
