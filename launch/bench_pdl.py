@@ -8,7 +8,7 @@ every rank.
 
     torchrun --standalone --nproc-per-node=2 -m infini_dist.launch.bench_pdl [--tokens 1,16,128,1024]
 
-FlashInfer's rows need its module (`bash .ci/gpu_suite fi` first on the device).
+FlashInfer's rows need its module: on the device, `bash .ci/gpu_suite pdl` loads it, then runs this.
 """
 
 from __future__ import annotations
