@@ -327,6 +327,7 @@ def _major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+@functools.cache
 def _cuda_version() -> tuple:
     return tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
 

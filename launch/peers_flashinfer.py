@@ -8,8 +8,9 @@ Optional: `pip install infini_dist[flashinfer]` (the device carries a trimmed wh
   fi_ar_one_shot      other patterns: the same kernels with pattern kAllReduce, then the
   fi_ar_two_shot      epilogue in eager torch (as the symm_* peers)
 Every kernel runs with fp32 accumulation, each without programmatic dependent launch and with it
-(the `_pdl` rows), since our streamed kernel takes it where the GPU has it. One IPC workspace per group, sized for the sweep's largest case, made once and
-freed by close(); its first use JIT-builds the kernels with nvcc (minutes, cached after).
+(the `_pdl` rows), since our kernels take it where the GPU has it. One IPC workspace per group,
+sized for the sweep's largest case, made once and freed by close(); its first use JIT-builds the
+kernels with nvcc (minutes, cached after).
 """
 
 from __future__ import annotations
