@@ -5,6 +5,7 @@ torch's TP-tutorial plan on 2 gloo ranks, forward and backward, against eager SP
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -82,32 +83,51 @@ def test_what_stays_with_inductor(case):
     assert [ops_of(s) for s in subs] == expected[case]
 
 
-def test_on_gpus_a_site_needs_an_algorithm_of_ours(monkeypatch):
-    """On GPUs no algorithm of ours runs an all_gather (its prologue or not): such a site could
-    only commit native, Inductor's code plus our dispatch, so the pass leaves it to Inductor,
-    while the reduce_scatter span, which our kernels run, stays a site. The CPU backend makes
-    every site (it tests them); here CPU plays a GPU whose registry is CUDA's (the patterns
-    are traced on the graph's device, so a CUDA graph cannot be matched on this machine)."""
-    from infini_dist.compile import passes
+class _Offers:
+    """A stand-in algorithm: supports every span, or (gather=True) a lone all_gather of at most
+    `most` elements, as kernels/lamport_all_gather.py's algorithm does up to its cap."""
+
+    def __init__(self, gather=False, most=64):
+        self.gather, self.most = gather, most
+
+    def supports(self, span, meta, ctx):
+        if not self.gather:
+            return True
+        (x,) = (meta[n] for n in span.graph.input_names)
+        return not span.prologue and not span.epilogue and math.prod(x.shape) <= self.most
+
+
+def test_on_gpus_an_all_gather_is_a_site_of_its_own(monkeypatch):
+    """On GPUs our all_gather kernel takes the tensor as it is: a gather is a site alone, where
+    an algorithm of ours runs it (here: a stand-in that takes up to 64 elements), and a norm
+    before it stays in Inductor's kernel, which a site would split; a gather too big for ours
+    stays Inductor's too. The reduce_scatter span, which our kernels run, stays one site. The
+    CPU backend makes every site with its prologue (it tests them); here CPU plays a GPU with
+    CUDA's registry (the patterns are traced on the graph's device, so a CUDA graph cannot be
+    matched on this machine)."""
+    from infini_dist.compile import anchors, passes
     from infini_dist.scheduler.choices import algorithms_for
 
     def f(x, residual, w):
         h = rs(x) + residual
-        return ag(llama_norm(h, w)), ag(torch.relu(llama_norm(residual, w)) * 2.0), h
+        return (ag(llama_norm(h, w)), ag(torch.relu(llama_norm(residual, w)) * 2.0), h,
+                ag(x * 3.0))
     args = rand(8, 16), rand(4, 16, seed=1), rand(16, seed=2)
     assert [ops_of(s) for s in fuse(export(f, *args))] == [
         ["reduce_scatter", "add_rms_norm", "all_gather"],
-        ["rms_norm", "relu", "scale", "all_gather"]]
-    cuda = {"all_reduce": True, "reduce_scatter": True, "all_gather": False}
+        ["rms_norm", "relu", "scale", "all_gather"], ["scale", "all_gather"]]
     if algorithms_for("reduce_scatter", "cuda"):  # where the GPU backend imports: its registry
-        cuda = {op: bool(algorithms_for(op, "cuda")) for op in cuda}
-    assert cuda == {"all_reduce": True, "reduce_scatter": True, "all_gather": False}
-    monkeypatch.setattr(passes, "_SPEED_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(passes, "algorithms_for", lambda op, device: [op] if cuda[op] else [])
+        assert all(algorithms_for(op, "cuda") for op in ("all_reduce", "reduce_scatter",
+                                                         "all_gather"))
+    monkeypatch.setattr(anchors, "SPEED_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(passes, "algorithms_for",
+                        lambda op, device: [_Offers(gather=op == "all_gather")])
     gm = export(f, *args)
-    assert [ops_of(s) for s in fuse(gm)] == [["reduce_scatter", "add_rms_norm", "all_gather"]]
-    # the second gather and its norm are Inductor's again, untouched
+    assert [ops_of(s) for s in fuse(gm)] == [["reduce_scatter", "add_rms_norm", "all_gather"],
+                                             ["all_gather"]]
+    # the norm before the second gather, and the third gather (128 elements), are Inductor's
     assert sum(1 for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default) == 1
+    assert any(n.target is torch.ops.aten.rsqrt.default for n in gm.graph.nodes)
 
 
 def test_a_gather_of_the_wrong_size_fails_clearly():

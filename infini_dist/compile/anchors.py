@@ -48,6 +48,20 @@ def is_tensor(node) -> bool:
     return isinstance(value_of(node), torch.Tensor)
 
 
+# Devices whose algorithms are there for speed. On such a device a site that only native could
+# run runs what Inductor runs without the site, plus the op's dispatch, and cuts Inductor's
+# fusions across the site's edges (an RMSNorm's reduction from its weight's multiply). The CPU
+# backend is there to test the sites' structure and native numerics, so CPU sites are made
+# regardless.
+SPEED_DEVICES = frozenset({"cuda"})
+
+
+def speed_device(anchor: FxOp) -> torch.device | None:
+    """The anchor's device where it is one of SPEED_DEVICES, else None."""
+    device = getattr(value_of(anchor.inputs[0]) if anchor.inputs else None, "device", None)
+    return device if device is not None and device.type in SPEED_DEVICES else None
+
+
 def anchor_names() -> frozenset:
     """Registered user ops that are anchors (they have several implementations)."""
     return frozenset(name for name in op_registry.registered_ops()

@@ -37,7 +37,7 @@ import infini_dist.kernels.epilogue
 from infini_dist.compile import all_reduce_match, anchors, decided, matching
 from infini_dist.compile import scatter_gather_match
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
-from infini_dist.scheduler.choices import algorithms_for
+from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, algorithms_for
 from infini_dist.scheduler.ir import OpNode, SubGraph, subgraph_from_text
 from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler.store import STORE
@@ -180,7 +180,8 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
         kind_module = _KINDS.get(found.op_type, matching)
         site, text, inputs, outputs = _to_write(kind_module.find_site(index, found, settings),
                                                 settings)
-        if text is not None and len(site.ops) == 1 and not kind_module.RUNS_ALONE:
+        if (text is not None and len(site.ops) == 1 and not kind_module.RUNS_ALONE
+                and not _ours_alone(found, text, inputs, outputs)):
             skipped.add(node)  # nothing of ours could run it: Inductor's own code, no dispatch
             continue
         if text is None:
@@ -196,20 +197,25 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
     return GraphRecord(kind, collectives, tuple(replaced), native)
 
 
-# Devices whose algorithms are there for speed. On such a device a site whose anchor has no
-# algorithm of ours (an all_gather, whatever prologue it takes, on CUDA) could only commit native,
-# which runs what Inductor runs without the site, plus the op's dispatch, and cuts Inductor's
-# fusions across the site's edges (an RMSNorm's reduction from its weight's multiply). The CPU
-# backend is there to test the sites' structure and native numerics, so CPU sites are made
-# regardless.
-_SPEED_DEVICES = frozenset({"cuda"})
-
-
 def _no_algorithm_of_ours(anchor: anchors.FxOp) -> bool:
-    value = anchors.value_of(anchor.inputs[0]) if anchor.inputs else None
-    device = getattr(value, "device", None)
-    return (device is not None and device.type in _SPEED_DEVICES
-            and not algorithms_for(anchor.op_type, device.type))
+    """On a speed device, no algorithm of ours runs the anchor's op (whatever it fuses)."""
+    device = anchors.speed_device(anchor)
+    return device is not None and not algorithms_for(anchor.op_type, device.type)
+
+
+def _ours_alone(anchor: anchors.FxOp, text: str, inputs: list, outputs: list) -> bool:
+    """Whether an algorithm of ours runs the anchor's lone site (a small all_gather on a GPU):
+    then the site competes with Inductor's code; else nothing of ours could run it."""
+    device = anchors.speed_device(anchor)
+    if device is None:
+        return False
+    sub = subgraph_from_text(text)
+    values = [node.meta["val"] for node in inputs + outputs]
+    meta = {name: TensorMeta.of(value)
+            for name, value in zip(sub.input_names + sub.output_names, values)}
+    ctx = RunContext(None, anchor.attrs.get("group_size", 1), 0, device)
+    span = FusedSpan(sub, (), (0,), ())
+    return any(a.supports(span, meta, ctx) for a in algorithms_for(anchor.op_type, device.type))
 
 
 def _describe(graph: fx.Graph) -> tuple[str, tuple[str, ...]]:

@@ -11,22 +11,25 @@ Pattern (post-grad FX):
   - after a reduce_scatter, an all_gather of an epilogue value on the same group closes the
     span: reduce_scatter -> add + RMSNorm -> all_gather is one site,
   - an all_gather's prologue may hold norms (they run on whole rows); its result is a whole
-    tensor for the next column-parallel matmul, so it takes no epilogue.
+    tensor for the next column-parallel matmul, so it takes no epilogue. On a GPU it takes no
+    prologue: our gather kernel (kernels/lamport_all_gather.py) takes the tensor as it is, so
+    a norm before it stays in Inductor's fused kernel, which a site would split.
 
 Replacement:
 
     out, h = infini_dist.fused_site([p, residual, weight],
                                     '<SubGraph: reduce_scatter -> add_rms_norm -> all_gather>')
 
-A reduce_scatter or all_gather with nothing to fuse is left to Inductor (RUNS_ALONE False): we
-have no kernel of our own for either alone, so the site could only run NCCL, as Inductor's own
-code does without our op's dispatch.
+A reduce_scatter with nothing to fuse is left to Inductor (RUNS_ALONE False): we have no kernel
+of our own for it alone, so the site could only run NCCL, as Inductor's own code does without
+our op's dispatch. An all_gather alone is a site only where an algorithm of ours runs it (a
+small gather on a GPU: compile/passes.py, `_ours_alone`).
 """
 
 from __future__ import annotations
 
 from infini_dist.compile import matching
-from infini_dist.compile.anchors import FxOp, collective_anchor
+from infini_dist.compile.anchors import FxOp, collective_anchor, speed_device
 from infini_dist.scheduler.settings import Settings
 
 OP_TYPES = ("reduce_scatter", "all_gather")
@@ -51,6 +54,8 @@ def _gather_tail(site: matching.FxSite) -> None:
 
 def find_site(g: matching.GraphIndex, anchor: FxOp, settings: Settings) -> matching.FxSite:
     """The site around a reduce_scatter or an all_gather."""
+    if anchor.op_type == "all_gather" and speed_device(anchor) is not None:
+        return matching.bare_site(anchor)
     site = matching.with_prologues([anchor], settings)
     if anchor.op_type == "reduce_scatter":
         matching.grow_epilogue(g, site, settings)

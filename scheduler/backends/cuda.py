@@ -27,6 +27,11 @@ def _symm_scatter():
     return [("reduce_scatter", SymmScatterGather()), ("reduce_scatter", OneShotScatterGather())]
 
 
+def _symm_gather():
+    from infini_dist.scheduler.backends.symm_gather import LamportAllGather
+    return [("all_gather", LamportAllGather())]
+
+
 def _matmul():
     """Spans starting with the matmul that feeds the all_reduce (config.matmul_prologue)."""
     from infini_dist.scheduler.backends import symm_chunked
@@ -42,7 +47,7 @@ def _overlap():
     return [("all_reduce", algorithm) for algorithm in algorithms()]
 
 
-for backend in (_nccl_epilogue, _symm, _symm_scatter, _matmul, _overlap):
+for backend in (_nccl_epilogue, _symm, _symm_scatter, _symm_gather, _matmul, _overlap):
     try:
         algorithms = backend()
     except Exception as error:  # noqa: BLE001 - a missing backend must not break the others
