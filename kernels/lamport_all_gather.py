@@ -60,17 +60,18 @@ def lamport_all_gather_kernel(x_ptr, out_ptr, data_table, epoch_ptr, numel, slot
         for step in tl.static_range(1, WORLD_SIZE):
             peer = (rank + step) % WORLD_SIZE  # staggered, so peers are not all hit at once
             tl.store(peer_pointer(data_table, peer, dtype) + mine_at + index, x, mask=mask)
-        tl.store(out_ptr + rank * numel + index, x, mask=mask)
+        tl.store(out_ptr + rank.to(tl.int64) * numel + index, x, mask=mask)
 
     # Gather: the same items of every other rank, polled, copied to their part of out, emptied.
     local = peer_pointer(data_table, rank, dtype) + half
     sources = tl.arange(0, WS_P2)[:, None]
+    parts = sources.to(tl.int64) * numel  # where each rank's part of out starts
     for item in range(first_item, items, programs):
         index, mask = item_range(item, column, numel, ITEM)
         present = (sources < WORLD_SIZE) & (sources != rank) & mask[None, :]
         values = take(local + sources * slot_stride + index[None, :], present, timeout_ns, rank,
                       ON_GPU)
-        tl.store(out_ptr + sources * numel + index[None, :], values, mask=present)
+        tl.store(out_ptr + parts + index[None, :], values, mask=present)
 
     advance_epoch(epoch_ptr, calls, pid, programs, MAX_PROGRAMS)
 

@@ -130,6 +130,48 @@ def test_on_gpus_an_all_gather_is_a_site_of_its_own(monkeypatch):
     assert any(n.target is torch.ops.aten.rsqrt.default for n in gm.graph.nodes)
 
 
+def test_on_gpus_a_lone_reduce_scatter_stays_inductors(monkeypatch):
+    """symm_scatter_gather could run it, but such sites were not shown to pay in torchtitan's
+    SP step (scatter_gather_match.ALONE_WHERE_OURS): a reduce_scatter alone stays Inductor's
+    even where an algorithm of ours supports it; its span with an epilogue is still a site."""
+    from infini_dist.compile import anchors, passes
+
+    def f(x, residual, w):
+        return rs(x) @ w.view(16, 1), rs(x * 2.0) + residual
+    monkeypatch.setattr(anchors, "SPEED_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(passes, "algorithms_for", lambda op, device: [_Offers()])
+    gm = export(f, rand(8, 16), rand(4, 16, seed=1), rand(16, seed=2))
+    assert [ops_of(s) for s in fuse(gm)] == [["scale", "reduce_scatter", "add"]]
+    assert sum(1 for n in gm.graph.nodes if n.target is c10d.reduce_scatter_tensor.default) == 1
+
+
+def test_a_gather_of_a_dynamic_shape_is_left_to_the_engine(monkeypatch):
+    """The pass does not ask a dynamic shape's size (that would guard on it: a recompile per
+    size): the lone gather is a site where an algorithm of ours runs gathers at all, and the
+    engine decides per shape at run time."""
+    from types import SimpleNamespace
+
+    from infini_dist.compile import anchors, passes
+    from infini_dist.scheduler.ir import OpNode, SubGraph
+
+    class Asked:
+        def supports(self, span, meta, ctx):
+            raise AssertionError("a dynamic size was asked for")
+
+    text = SubGraph((OpNode("all_gather", ("in0",), ("v0",), {"group_size": 2,
+                                                               "group_name": "g"}),),
+                    ("in0",), ("v0",)).canonical()
+    dynamic = object()  # a SymInt stands here: not an int
+    nodes = [SimpleNamespace(meta={"val": SimpleNamespace(shape=(rows, 16))})
+             for rows in (dynamic, dynamic)]
+    gather = SimpleNamespace(op_type="all_gather", attrs={"group_size": 2})
+    monkeypatch.setattr(anchors, "speed_device", lambda anchor: torch.device("cuda"))
+    monkeypatch.setattr(passes, "algorithms_for", lambda op, device: [Asked()])
+    assert passes._ours_alone(gather, text, nodes[:1], nodes[1:])
+    monkeypatch.setattr(passes, "algorithms_for", lambda op, device: [])
+    assert not passes._ours_alone(gather, text, nodes[:1], nodes[1:])
+
+
 def test_a_gather_of_the_wrong_size_fails_clearly():
     from infini_dist.scheduler import op_registry
     with pytest.raises(ValueError, match="equal chunks"):

@@ -181,7 +181,8 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
         site, text, inputs, outputs = _to_write(kind_module.find_site(index, found, settings),
                                                 settings)
         if (text is not None and len(site.ops) == 1 and not kind_module.RUNS_ALONE
-                and not _ours_alone(found, text, inputs, outputs)):
+                and not (found.op_type in scatter_gather_match.ALONE_WHERE_OURS
+                         and _ours_alone(found, text, inputs, outputs))):
             skipped.add(node)  # nothing of ours could run it: Inductor's own code, no dispatch
             continue
         if text is None:
@@ -204,13 +205,18 @@ def _no_algorithm_of_ours(anchor: anchors.FxOp) -> bool:
 
 
 def _ours_alone(anchor: anchors.FxOp, text: str, inputs: list, outputs: list) -> bool:
-    """Whether an algorithm of ours runs the anchor's lone site (a small all_gather on a GPU):
-    then the site competes with Inductor's code; else nothing of ours could run it."""
+    """Whether an algorithm of ours runs the anchor's lone site (a small all_gather on a GPU,
+    scatter_gather_match.ALONE_WHERE_OURS): then the site competes with Inductor's code; else
+    nothing of ours could run it."""
     device = anchors.speed_device(anchor)
     if device is None:
         return False
     sub = subgraph_from_text(text)
     values = [node.meta["val"] for node in inputs + outputs]
+    if not all(isinstance(size, int) for value in values for size in value.shape):
+        # A dynamic shape: asking for its size would guard on it (a recompile per size). The
+        # engine decides per shape at run time, natively where ours declines.
+        return bool(algorithms_for(anchor.op_type, device.type))
     meta = {name: TensorMeta.of(value)
             for name, value in zip(sub.input_names + sub.output_names, values)}
     ctx = RunContext(None, anchor.attrs.get("group_size", 1), 0, device)

@@ -20,10 +20,10 @@ Replacement:
     out, h = infini_dist.fused_site([p, residual, weight],
                                     '<SubGraph: reduce_scatter -> add_rms_norm -> all_gather>')
 
-A reduce_scatter with nothing to fuse is left to Inductor (RUNS_ALONE False): we have no kernel
-of our own for it alone, so the site could only run NCCL, as Inductor's own code does without
-our op's dispatch. An all_gather alone is a site only where an algorithm of ours runs it (a
-small gather on a GPU: compile/passes.py, `_ours_alone`).
+A reduce_scatter with nothing to fuse is left to Inductor (RUNS_ALONE False). An all_gather alone
+is a site where an algorithm of ours runs it (ALONE_WHERE_OURS; compile/passes.py,
+`_ours_alone`): on a GPU lamport_all_gather, up to its cap. Elsewhere such a site could only run
+NCCL, as Inductor's own code does without our op's dispatch.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ from infini_dist.scheduler.settings import Settings
 
 OP_TYPES = ("reduce_scatter", "all_gather")
 RUNS_ALONE = False
+# symm_scatter_gather can run a reduce_scatter alone too, but with those sites torchtitan's SP
+# training step read 1.023 and 1.012 of plain compile's median on 2 H100s (within the rounds'
+# spread; 0.999 without them, session 17): not shown to pay, so they stay Inductor's.
+ALONE_WHERE_OURS = frozenset({"all_gather"})
 
 
 def _gather_tail(site: matching.FxSite) -> None:
