@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from infini_dist.kernels.symm_buffers import part_elements, slot_elements
-from infini_dist.kernels.symm_call import call_buffer, world_size_of
+from infini_dist.kernels.symm_call import call_buffer, checked_input, world_size_of
 from infini_dist.kernels.symm_chain import MAX_PROGRAMS
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half,
                                              item_range, pdl_options, program_items,
@@ -35,7 +35,6 @@ from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call
 from infini_dist.kernels.symm_signal import is_empty, peer_pointer, take, world_size_pow2
 
 KIND = "lamport_all_gather"  # its buffers' key: launches of other protocols never share them
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the widths with an empty pattern
 ITEM_BYTES = 4096  # a program's item: 16 bytes a thread at 8 warps
 
 
@@ -81,14 +80,6 @@ def data_bytes(numel: int, element_size: int, world_size: int) -> int:
     return 2 * world_size * slot_elements(numel) * element_size
 
 
-def unsupported(x) -> str | None:
-    """Why the kernel cannot gather `x`, or None."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES or x.dim() == 0 \
-            or x.numel() == 0:
-        return "x must be a non-empty float16, bfloat16 or float32 tensor of at least one dim"
-    return None
-
-
 def lamport_all_gather_launch(x, buffer, out, *, tuning=DEFAULT_TUNING):
     """The launch, as (kernel, grid, args, kwargs): `x` contiguous, `out` W times its size."""
     numel = x.numel()
@@ -109,10 +100,7 @@ def lamport_all_gather(x, *, group=None, out=None, buffer=None, tuning=DEFAULT_T
     rank calls it with the same shape and dtype. `buffer`: a symm_buffers.SymmBuffer to use
     (default: this kernel's cached symmetric buffer of `group`, allocated on first use, which
     needs CUDA)."""
-    reason = unsupported(x)
-    if reason is not None:
-        raise ValueError(reason)
-    x = x.contiguous()
+    x = checked_input(x)  # its dtypes are the widths with an empty pattern
     world_size = world_size_of(group, buffer)
     shape = (world_size * x.shape[0],) + tuple(x.shape[1:])
     if out is None:

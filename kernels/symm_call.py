@@ -139,7 +139,8 @@ def checked_input(x):
     """`x` contiguous, or ValueError where no kernel takes it."""
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() == 0 \
             or x.numel() == 0:
-        raise ValueError("x must be a non-empty float16, bfloat16 or float32 tensor")
+        raise ValueError("x must be a non-empty float16, bfloat16 or float32 tensor of at least "
+                         "one dim")
     return x.contiguous()
 
 

@@ -15,6 +15,7 @@ import torch
 
 from infini_dist.kernels import lamport_all_gather, symm_buffers
 from infini_dist.kernels.nt_runtime import FastLaunch
+from infini_dist.kernels.rows import FLOAT_DTYPES
 from infini_dist.kernels.symm_device import DEFAULT_TUNING
 from infini_dist.scheduler.backends.symm_launch import PreparedAtFirstCall, warm_up
 from infini_dist.scheduler.choices import Algorithm
@@ -52,7 +53,7 @@ def plan_gather(span, meta, ctx) -> GatherPlan | None:
     x = meta.get(anchor.inputs[0])
     if (anchor.op_type != "all_gather" or anchor.attr("group_size") != ctx.world_size
             or ctx.world_size < 2 or not ctx.single_host or x is None
-            or x.dtype not in lamport_all_gather.DTYPES or len(x.shape) == 0
+            or x.dtype not in FLOAT_DTYPES or len(x.shape) == 0
             or not 0 < int(torch.Size(x.shape).numel()) * x.dtype.itemsize <= MAX_BYTES):
         return None
     return GatherPlan(anchor.inputs[0], anchor.outputs[0], tuple(x.shape), x.dtype,
