@@ -140,9 +140,11 @@ def squares_and_peak(y, factor):
 def dispatch_source() -> str:
     """`apply_op` (a chain step by op code), `norm_operands` (the norm slot's weight and bias,
     as loaded), `apply_norm` (the norm slot by norm code: the normalised row, its rsqrt and,
-    where PEAK, the row's max |output| before rounding) and `apply_quant` (the output
-    quantization by quant code; PEAK: the row's max |y| is `peak`, not reduced again), with one
-    constexpr branch per spec'd step, norm and quantizer."""
+    where PEAK, the row's max |output| before rounding), `quant_operand` (the quantizer's
+    scale: the scalar, or for a quantizer of SCALE_OPERAND_QUANTS its one-element tensor as
+    loaded) and `apply_quant` (the output quantization by quant code, with that scale; PEAK:
+    the row's max |y| is `peak`, not reduced again), with one constexpr branch per spec'd step,
+    norm and quantizer."""
     lines = ["@triton.jit",
              "def apply_op(x, OP: tl.constexpr, scalar, side_ptr, index, mask, "
              "DTYPE: tl.constexpr):",
@@ -191,13 +193,18 @@ def dispatch_source() -> str:
         lines += [f"        {line}" for line in body]
     lines += ["    return y, rstd, peak", "", "",
               "@triton.jit",
+              "def quant_operand(scale, scales_ptr, QUANT: tl.constexpr):"]
+    for spec in _QUANTS:
+        if spec.symm_quant.scale_operand:
+            lines += [f"    if QUANT == {QUANT_CODES[spec.name]}:  # {spec.name}",
+                      "        scale = tl.load(scales_ptr).to(tl.float32)"]
+    lines += ["    return scale", "", "",
+              "@triton.jit",
               "def apply_quant(y, index, column, mask, QUANT: tl.constexpr, scale, scales_ptr, "
               "ROW_LEN: tl.constexpr, peak, PEAK: tl.constexpr):",
               "    q = y"]
     for spec in _QUANTS:
         lines.append(f"    if QUANT == {QUANT_CODES[spec.name]}:  # {spec.name}")
-        if spec.symm_quant.scale_operand:
-            lines.append("        scale = tl.load(scales_ptr).to(tl.float32)")
         if spec.symm_quant.row_scale:
             lines += ["        if PEAK:",
                       "            row_max = peak",
@@ -222,10 +229,10 @@ def _dispatch():
                  "sigmoid_fp32": sigmoid_fp32, "squares_and_peak": squares_and_peak}
     exec(compile(source, filename, "exec"), namespace)
     return (namespace["apply_op"], namespace["norm_operands"], namespace["apply_norm"],
-            namespace["apply_quant"])
+            namespace["quant_operand"], namespace["apply_quant"])
 
 
-apply_op, norm_operands, apply_norm, apply_quant = _dispatch()
+apply_op, norm_operands, apply_norm, quant_operand, apply_quant = _dispatch()
 
 
 @triton.jit
@@ -245,8 +252,8 @@ def finish_item(y, index, column, mask, out_ptr, pre_ptr, rstd_ptr, reduced_ptr,
                 QUANT: tl.constexpr, quant_scale, scales_ptr, PEAK: tl.constexpr):
     """Epilogue of one item (a row when NORM != NO_NORM) from its reduced value `y` (fp32, already
     rounded to the input dtype like the all_reduce output), then its stores. `residual`,
-    `weight` and `bias` are values, loaded already (symm_device.epilogue_operands: a Lamport
-    kernel loads them before its poll). RESIDUAL: the residual is added in fp32 before the
+    `weight`, `bias` and `quant_scale` are values, loaded already (symm_device.epilogue_operands:
+    a Lamport kernel loads them before its poll). RESIDUAL: the residual is added in fp32 before the
     norm, and that sum is the value `pre` stores.
     WRITE_RSTD: the norm's fp32 rsqrt per row, at `rstd_ptr` + row (training saves it for
     backward). WRITE_REDUCED: `y` itself too (a training graph may read the all_reduce's value

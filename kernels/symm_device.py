@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from infini_dist.kernels.symm_chain import (NO_NORM, apply_chain, finish_item, norm_operands,
-                                            round_to)
+                                            quant_operand, round_to)
 from infini_dist.kernels.symm_signal import (DEFAULT_TIMEOUT_S, block_barrier, never_empty,
                                              peer_pointer, take)
 
@@ -101,9 +101,11 @@ def apply_prologue(x, index, mask, chain, OPS: tl.constexpr, DTYPE: tl.constexpr
 
 @triton.jit
 def epilogue_operands(index, column, mask, epilogue, OPS: tl.constexpr, residual_ptr):
-    """The epilogue's reads that need no reduced value: (residual, weight, bias), as loaded.
-    A Lamport kernel issues them before it polls, so that they arrive during the wait rather
-    than one memory round trip after it. Without a norm nothing is read (`index` fills in)."""
+    """The epilogue's reads that need no reduced value: (residual, weight, bias, quantizer's
+    scale), as loaded. A Lamport kernel issues them before it polls, so that they arrive during
+    the wait rather than one memory round trip after it. Without a norm no row is read (`index`
+    fills in); a scale is read only by a quantizer whose scale is a tensor (an FP8
+    checkpoint's), else it is the scalar argument."""
     residual = index
     weight = index
     bias = index
@@ -111,7 +113,7 @@ def epilogue_operands(index, column, mask, epilogue, OPS: tl.constexpr, residual
         if OPS[4]:
             residual = tl.load(residual_ptr + index, mask=mask, other=0.0)
         weight, bias = norm_operands(column, mask, epilogue[4], epilogue[5], OPS[3])
-    return residual, weight, bias
+    return residual, weight, bias, quant_operand(epilogue[14], epilogue[15], OPS[8])
 
 
 @triton.jit
@@ -151,7 +153,7 @@ def finish_into(y, operands, index, column, mask, epilogue, OPS: tl.constexpr,
                 operands[0], operands[1], operands[2], epilogue[7], OPS[0], epilogue[8],
                 epilogue[9], OPS[1], epilogue[10], epilogue[11], OPS[2], epilogue[12],
                 epilogue[13], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7], ITEM, OPS[8],
-                epilogue[14], epilogue[15], OPS[9])
+                operands[3], epilogue[15], OPS[9])
 
 
 @triton.jit

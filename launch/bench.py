@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node=4 -m infini_dist.launch.bench --out bench_out \\
         [--tokens 1,16,128,1024,8192] [--hidden 4096]
-        [--patterns add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_token,relu_scale,swiglu]
+        [--patterns add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_tensor,add_rms_norm_fp8_token,
+                   relu_scale,swiglu]
 
 Per pattern and token count, every implementation is timed under CUDA-graph replay and eagerly,
 in this one run, max over ranks (a collective is as slow as its slowest rank):

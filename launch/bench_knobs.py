@@ -16,6 +16,10 @@ kernels with per-token FP8's row max from a pass of its own and from the norm's 
 items a step from 1024 tokens (without FP8, static and per-token), and with its 16 warps or 4
 or 8 at 1-128 tokens (without FP8 and per-token: fewer warps, cheaper row reductions).
 (Session 17's pairs of `SymmTuning(preload=)` decided that knob: docs/notes_symm.md.)
+
+`--fp8-pairs`: the FP8 quantizers' cost, A/B pairs of the streamed kernel without a quantizer
+and with one (a float scale, a checkpoint's one-element scale tensor, per-token scales), 1 to
+8192 tokens.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ from infini_dist.launch.bench_eager import inputs_for
 
 HIDDEN, FP8_SCALE = 4096, 0.05
 PER_TOKEN = ("quant_fp8_per_token",)
+STATIC = ("quant_fp8", FP8_SCALE)
 
 
 def cases():
     for tokens in (1, 16, 128):
-        for quant in (None, ("quant_fp8", FP8_SCALE)):
+        for quant in (None, STATIC):
             for warps in (None, 4, 16):
                 yield lamport_one_shot_all_reduce, tokens, quant, 0, warps
     for kernel in (two_shot_polled_gather_all_reduce, two_shot_all_reduce):
@@ -55,23 +60,35 @@ def cases():
 
 
 def pairs():
-    """(kernel, tokens, quant, what differs, A, B), each side (tuning, num_warps or None for
+    """(kernel, tokens, what differs, A, B), each side (quant, tuning, num_warps or None for
     the launch's)."""
     streamed, lamport = lamport_one_shot_streamed_all_reduce, lamport_one_shot_all_reduce
-    own_pass, folded = (SymmTuning(fold_row_max=False), None), (DEFAULT_TUNING, None)
     for tokens in (1, 16, 128, 1024, 8192):
-        yield streamed, tokens, PER_TOKEN, "row max", own_pass, folded
+        yield streamed, tokens, "row max", (PER_TOKEN, SymmTuning(fold_row_max=False), None), \
+            (PER_TOKEN, DEFAULT_TUNING, None)
     for tokens in (1, 16, 128):
-        yield lamport, tokens, PER_TOKEN, "row max", own_pass, folded
+        yield lamport, tokens, "row max", (PER_TOKEN, SymmTuning(fold_row_max=False), None), \
+            (PER_TOKEN, DEFAULT_TUNING, None)
     for tokens in (1024, 2048, 4096, 8192):
-        for quant in (None, ("quant_fp8", FP8_SCALE), PER_TOKEN):
-            yield streamed, tokens, quant, "items a step", (SymmTuning(group_items=1), None), \
-                (SymmTuning(group_items=2), None)
+        for quant in (None, STATIC, PER_TOKEN):
+            yield streamed, tokens, "items a step", (quant, SymmTuning(group_items=1), None), \
+                (quant, SymmTuning(group_items=2), None)
     for tokens in (1, 16, 128):
         for quant in (None, PER_TOKEN):
             for warps in (4, 8):
-                yield streamed, tokens, quant, f"warps {warps}", (DEFAULT_TUNING, None), \
-                    (DEFAULT_TUNING, warps)
+                yield streamed, tokens, f"warps {warps}", (quant, DEFAULT_TUNING, None), \
+                    (quant, DEFAULT_TUNING, warps)
+
+
+def fp8_pairs(device):
+    """Issue #25's FP8 cost as A/B pairs: the streamed kernel (the engine's commit on 2 ranks)
+    without a quantizer and with each: a float scale, a one-element tensor scale (an FP8
+    checkpoint's, read by the kernel) and per-token scales."""
+    held = ("quant_fp8_tensor_scale", torch.tensor([FP8_SCALE], device=device))
+    for tokens in (1, 16, 128, 1024, 8192):
+        for name, quant in (("static", STATIC), ("tensor", held), ("per-token", PER_TOKEN)):
+            yield lamport_one_shot_streamed_all_reduce, tokens, f"fp8 {name}", \
+                (None, DEFAULT_TUNING, None), (quant, DEFAULT_TUNING, None)
 
 
 def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, bool, list]:
@@ -81,7 +98,7 @@ def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, boo
     dist.all_reduce(total)
     h = total + residual.float()
     want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
-    scale = results[1] if quant == PER_TOKEN else FP8_SCALE if quant else 1.0
+    scale = results[1] if quant == PER_TOKEN else FP8_SCALE if quant else 1.0  # each static one
     got = out.float() * scale
     bits = out.view(torch.uint8).to(torch.int64)
     checksum = torch.stack([bits.sum(), (bits * torch.arange(bits.numel(), device=bits.device)
@@ -92,38 +109,41 @@ def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, boo
             checksum.tolist())
 
 
-def pair_sweep(device):
+def pair_sweep(device, cases, legend):
     timer = Timer(device, 5, 20, graph_calls=10)
     rank0 = dist.get_rank() == 0
     if rank0:
-        print("| kernel | tokens | quant | knob | A or B | µs | max abs error | same bits |\n"
+        print("| kernel | tokens | knob | A or B | quant | µs | max abs error | same bits |\n"
               "|---|---|---|---|---|---|---|---|")
     differing = []  # row-max pairs whose two sides gave other bits: they must not
     summary = []
-    for kernel, tokens, quant, knob, *sides in pairs():
+    for kernel, tokens, knob, *sides in cases:
         x, residual, weight = inputs_for(tokens, HIDDEN, device)
         times, sums = ([], []), ([], [])
         for side in (0, 1, 1, 0):  # alternating: drift falls on both
-            tuning, warps = sides[side]
+            quant, tuning, warps = sides[side]
             launch, grid, args, kwargs, results = kernel.bind(
                 x, weight=weight, residual=residual, quant=quant, tuning=tuning)
             kwargs = kwargs if warps is None else dict(kwargs, num_warps=warps)
             us = timer.graph(lambda: launch[grid](*args, **kwargs)) * 1e6
             error, same, checksum = error_and_agreement(results, x, residual, weight, quant)
+            if not same:
+                raise SystemExit(f"{kernel.kind}, {tokens} tokens, {knob} {'AB'[side]}: "
+                                 "other bits on another rank")
             times[side].append(us)
             sums[side].append(checksum)
             if rank0:
-                print(f"| {kernel.kind} | {tokens} | {quant[0] if quant else ''} | {knob} | "
-                      f"{'AB'[side]} | {us:.2f} | {error:.3g} | {same} |", flush=True)
-        summary.append((kernel.kind, tokens, quant, knob, *(sum(t) / 2 for t in times)))
+                print(f"| {kernel.kind} | {tokens} | {knob} | {'AB'[side]} | "
+                      f"{quant[0] if quant else ''} | {us:.2f} | {error:.3g} | {same} |",
+                      flush=True)
+        summary.append((kernel.kind, tokens, knob, sides[0][0], *(sum(t) / 2 for t in times)))
         if knob == "row max" and sums[0] != sums[1]:
             differing.append((kernel.kind, tokens))
     if rank0:
         print(f"\nrow-max pairs with other bits on the two sides: {differing or 'none'}")
-        print("\nA / B: row max by its own pass / from the norm; items a step 1 / 2; warps the "
-              "launch's / 4 or 8\n"
-              "| kernel | tokens | quant | knob | A µs | B µs | B / A |\n|---|---|---|---|---|---|---|")
-        for kind, tokens, quant, knob, a, b in summary:
+        print(f"\nA / B: {legend}\n| kernel | tokens | A's quant | knob | A µs | B µs | B / A |\n"
+              "|---|---|---|---|---|---|---|")
+        for kind, tokens, knob, quant, a, b in summary:
             print(f"| {kind} | {tokens} | {quant[0] if quant else ''} | {knob} | {a:.2f} | "
                   f"{b:.2f} | {b / a:.3f} |")
 
@@ -133,13 +153,19 @@ def main(argv=None):
     parser.add_argument("--kernels", help="comma-separated kernel kinds (default: all)")
     parser.add_argument("--pairs", action="store_true",
                         help="the A/B pairs instead (the module's docstring)")
+    parser.add_argument("--fp8-pairs", action="store_true",
+                        help="the FP8 quantizers' cost as A/B pairs instead")
     options = parser.parse_args(argv)
     only = options.kernels
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
-    if options.pairs:
-        pair_sweep(device)
+    if options.pairs or options.fp8_pairs:
+        if options.fp8_pairs:
+            pair_sweep(device, fp8_pairs(device), "no quantizer / the quantizer")
+        if options.pairs:
+            pair_sweep(device, pairs(), "row max by its own pass / from the norm; items a "
+                       "step 1 / 2; warps the launch's / 4 or 8")
         dist.destroy_process_group()
         return
     timer = Timer(device, 3, 20)

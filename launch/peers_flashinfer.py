@@ -20,6 +20,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from infini_dist.launch.bench_patterns import STATIC_FP8
+
 NOT_INSTALLED = ("flashinfer: not installed (pip install infini_dist[flashinfer]); "
                  "its rows are skipped")
 WORLD_SIZES = (2, 4, 8, 16)  # what trtllm_allreduce_fusion dispatches on
@@ -120,7 +122,7 @@ class FlashInferPeers:
             outs["norm_out"] = torch.empty_like(x)
             return codes.kARResidualRMSNorm, outs, ("norm_out", "residual_out")
         fp8 = torch.empty_like(x, dtype=torch.float8_e4m3fn)
-        if pattern == "add_rms_norm_fp8":  # it multiplies by 1 / scale_factor
+        if pattern in STATIC_FP8:  # it multiplies by 1 / scale_factor
             outs.update(quant_out=fp8, scale_factor=torch.tensor(
                 [fp8_scale], dtype=torch.float32, device=x.device))
             return codes.kARResidualRMSNormFP8Quant, outs, ("quant_out", "residual_out")

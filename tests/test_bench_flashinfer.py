@@ -7,7 +7,8 @@ from __future__ import annotations
 from multirank import run_ranks
 
 # the FP8 ones return fp8 values (and fp32 scales) that may sit one e4m3 step off the reference
-PATTERNS = ("add_rms_norm", "add_rms_norm_fp8", "add_rms_norm_fp8_token", "swiglu", "relu_scale")
+PATTERNS = ("add_rms_norm", "add_rms_norm_fp8", "add_rms_norm_fp8_tensor", "add_rms_norm_fp8_token",
+            "swiglu", "relu_scale")
 
 
 def _verdicts(rank, world_size):
@@ -78,6 +79,7 @@ def test_fused_variants_per_pattern():
             assert float(fused[1]["scale_factor"]) == float(torch.tensor(bench_patterns.FP8_SCALE))
     assert found == {"add_rms_norm": (1, ("norm_out", "residual_out")),
                      "add_rms_norm_fp8": (2, ("quant_out", "residual_out")),
+                     "add_rms_norm_fp8_tensor": (2, ("quant_out", "residual_out")),
                      "add_rms_norm_fp8_token": (10, ("quant_out", "scale_out", "residual_out")),
                      "swiglu": None, "relu_scale": None}
 

@@ -33,7 +33,8 @@ def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     extra.write_text(json.dumps({"meta": {"graph_calls": 10},  # as the peer's process writes
                                  "rows": [_row("nccl_symm_ar", None, 3.0, "add_rms_norm", 2)]}))
     run = run_cli(tmp_path, "bench", "--nproc", "2", "--cpu-smoke", "--tokens", "2", "--hidden",
-                  "32", "--patterns", "add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_token",
+                  "32", "--patterns",
+                  "add_rms_norm,add_rms_norm_fp8,add_rms_norm_fp8_tensor,add_rms_norm_fp8_token",
                   "--trials", "2", "--replays", "2", "--extra-rows", str(extra),
                   "--out", str(out), timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -50,6 +51,11 @@ def test_cpu_smoke_has_native_and_engine_rows(tmp_path):
     assert fp8["engine_vs_native_max_abs"] <= bench_patterns.FP8_SCALE * 8
     assert {("add_rms_norm_fp8", "engine"), ("add_rms_norm_fp8", "native")} <= {
         (r["pattern"], r["impl"]) for r in data["rows"]}
+    # the scale a checkpoint's one-element tensor: the same bound, and a choice of the whole
+    # site (the quantizer at epilogue depth 2) timed
+    held = data["meta"]["cases"]["add_rms_norm_fp8_tensor/2"]
+    assert held["engine_vs_native_max_abs"] <= bench_patterns.FP8_SCALE * 8
+    assert any(name.endswith(",e2]") for name in held["tuning_times_us"]), held
     # per-token scales: dequantized, one step is at most 2^-3 of a normed value of a few units
     token = data["meta"]["cases"]["add_rms_norm_fp8_token/2"]
     assert token["engine_vs_native_max_abs"] <= 0.5, token
