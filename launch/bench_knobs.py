@@ -98,7 +98,7 @@ def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, boo
     dist.all_reduce(total)
     h = total + residual.float()
     want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
-    scale = results[1] if quant == PER_TOKEN else FP8_SCALE if quant else 1.0  # each static one
+    scale = results[1] if quant == PER_TOKEN else FP8_SCALE if quant else 1.0  # float or tensor
     got = out.float() * scale
     bits = out.view(torch.uint8).to(torch.int64)
     checksum = torch.stack([bits.sum(), (bits * torch.arange(bits.numel(), device=bits.device)
@@ -182,7 +182,7 @@ def main(argv=None):
         chosen = f"({kwargs['num_warps']})" if warps is None else str(warps)
         kwargs = kwargs if warps is None else dict(kwargs, num_warps=warps)
         us = timer.graph(lambda: launch[grid](*args, **kwargs)) * 1e6
-        error, same = error_and_agreement(results, x, residual, weight, quant)
+        error, same, _ = error_and_agreement(results, x, residual, weight, quant)
         if dist.get_rank() == 0:
             print(f"| {kernel.kind} | {tokens} | {'yes' if quant else ''} | "
                   f"{group or '(layout)'} | {chosen} | {us:.2f} | {error:.3g} | {same} |",
