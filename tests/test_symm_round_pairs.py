@@ -67,8 +67,8 @@ def _every_class_of_value(device):
     ], dtype=torch.int64).to(torch.int32).view(torch.float32)
     g = torch.Generator().manual_seed(0)
     spread = torch.randn(4001, generator=g) * torch.logspace(-40, 38, 4001)
-    return torch.cat([bits, spread, torch.randint(-2 ** 31, 2 ** 31 - 1, (4000,), generator=g,
-                                                  dtype=torch.int32).view(torch.float32)]).to(device)
+    anything = torch.randint(-2 ** 31, 2 ** 31 - 1, (4000,), generator=g, dtype=torch.int32)
+    return torch.cat([bits, spread, anything.view(torch.float32)]).to(device)
 
 
 @pytest.mark.gpu
