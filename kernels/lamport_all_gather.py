@@ -32,7 +32,7 @@ from infini_dist.kernels.symm_chain import MAX_PROGRAMS
 from infini_dist.kernels.symm_device import (DEFAULT_TUNING, advance_epoch, call_half,
                                              item_range, pdl_options, program_items,
                                              wait_for_predecessor)
-from infini_dist.kernels.symm_signal import is_empty, peer_pointer, take, world_size_pow2
+from infini_dist.kernels.symm_signal import never_empty, peer_pointer, take, world_size_pow2
 
 KIND = "lamport_all_gather"  # its buffers' key: launches of other protocols never share them
 ITEM_BYTES = 4096  # a program's item: 16 bytes a thread at 8 warps
@@ -55,7 +55,7 @@ def lamport_all_gather_kernel(x_ptr, out_ptr, data_table, epoch_ptr, numel, slot
     for item in range(first_item, items, programs):
         index, mask = item_range(item, column, numel, ITEM)
         x = tl.load(x_ptr + index, mask=mask, other=0.0)
-        x = tl.where(is_empty(x), tl.zeros_like(x), x)  # by bits: a NaN keeps its payload
+        x = never_empty(x)
         for step in tl.static_range(1, WORLD_SIZE):
             peer = (rank + step) % WORLD_SIZE  # staggered, so peers are not all hit at once
             tl.store(peer_pointer(data_table, peer, dtype) + mine_at + index, x, mask=mask)

@@ -92,8 +92,9 @@ def is_empty(values):
 
 @triton.jit
 def never_empty(values):
-    """`values` (already in the stored dtype) with -0.0 replaced by +0.0."""
-    return tl.where(values == 0, 0.0, values.to(tl.float32)).to(values.dtype)
+    """`values` (already in the stored dtype) with -0.0 replaced by +0.0, by their bits: every
+    other value keeps its bits, a NaN's payload included."""
+    return tl.where(is_empty(values), tl.zeros_like(values), values)
 
 
 @triton.jit
