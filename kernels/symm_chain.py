@@ -136,38 +136,20 @@ _LOADS = {"row": "side_ptr + index",
 
 
 @triton.jit
-def _float_halves(pair):
-    return ((pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True),
-            pair.to(tl.uint32).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _pack(high, low):
-    return ((high.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
-            | low.to(tl.uint32, bitcast=True).to(tl.uint64))
-
-
-@triton.jit
-def _sum_and_max(a, b):
-    """(sum, max) of two packed (squares, peak) pairs."""
-    sum_a, max_a = _float_halves(a)
-    sum_b, max_b = _float_halves(b)
-    return _pack(sum_a + sum_b, tl.maximum(max_a, max_b))
+def _sum_and_max(sum_a, max_a, sum_b, max_b):
+    return sum_a + sum_b, tl.maximum(max_a, max_b)
 
 
 @triton.jit
 def squares_and_peak(y, factor):
-    """The row's sum of y^2 and max |factor| (keep_dims). On a GPU one reduction of the pair
-    packed in 64 bits: Triton 3.6 lowers a tuple's cross-warp stage one operand after the
-    other, a barrier each, and this is the per-token quantizer's path after the poll (docs/
-    notes_symm.md, "Session 27"). The combine tree is the tuple's, so the bits are too.
-    Interpreted, the sum is numpy's as in tl.sum."""
+    """The row's sum of y^2 and max |factor| (keep_dims). On a GPU one reduction of the pair:
+    one round of shuffles and barriers where two reductions make two. Interpreted, the sum is
+    numpy's as in tl.sum (a tuple's reduction is a Python loop there)."""
     if INTERPRETED:
         squares = tl.sum(y * y, axis=-1, keep_dims=True)
         peak = tl.max(tl.abs(factor), axis=-1, keep_dims=True)
     else:
-        packed = tl.reduce(_pack(y * y, tl.abs(factor)), -1, _sum_and_max, keep_dims=True)
-        squares, peak = _float_halves(packed)
+        squares, peak = tl.reduce((y * y, tl.abs(factor)), -1, _sum_and_max, keep_dims=True)
     return squares, peak
 
 

@@ -1,11 +1,8 @@
-"""How symm_chain's steps after the poll lower, and their bits.
-- `round_pairs_to`: the quantizer's input rounded to bf16 two elements a conversion. On the CPU:
-  a quantizing kernel compiled for sm_90 converts its bf16 rounding in pairs (the element-wise
-  cvt.rn.bf16.f32 was the static FP8 output's cost on H100s). On a GPU: round_to's bits and
-  torch's cast's, for every class of value, with one and with several elements a thread.
-- `squares_and_peak`: the norm's sum of squares and the per-token quantizer's row max in one
-  cross-warp stage. On the CPU: per-token FP8 compiles to as many barriers as a static scale. On
-  a GPU: the bits of a tuple reduction with the same combine, and torch's max."""
+"""symm_chain.round_pairs_to: the quantizer's input rounded to bf16 two elements a conversion,
+with round_to's bits. On the CPU: a quantizing kernel compiled for sm_90 converts its bf16
+rounding in pairs (the element-wise cvt.rn.bf16.f32 was the static FP8 output's cost on H100s).
+On a GPU: its bits against round_to's and torch's cast, for every class of value, with one and
+with several elements a thread."""
 
 from __future__ import annotations
 
@@ -40,9 +37,6 @@ def test_the_quantizer_input_is_rounded_in_pairs(tmp_path):
     assert static.count("cvt.rn.bf16x2.f32") == 8
     # per-token rounds one more value alone: the row's peak, one a row
     assert token.count("cvt.rn.bf16.f32") == 1
-    # the row max rides in the norm's reduction: no barrier of its own (a tuple's reduction
-    # took one more, its second operand's cross-warp stage)
-    assert token.count("bar.sync") == static.count("bar.sync")
 
 
 def _round_kernel():
@@ -91,47 +85,3 @@ def test_round_pairs_has_round_tos_bits_on_a_gpu(block, warps):
     number = ~x.isnan()
     assert torch.equal(pairs[number].view(torch.int32), cast[number].view(torch.int32))
     assert pairs[~number].isnan().all()
-
-
-def _reduction_kernel():
-    import triton
-    import triton.language as tl
-
-    from infini_dist.kernels.symm_chain import squares_and_peak
-
-    @triton.jit
-    def sum_and_max(sum_a, max_a, sum_b, max_b):
-        return sum_a + sum_b, tl.maximum(max_a, max_b)
-
-    @triton.jit
-    def kernel(y_ptr, f_ptr, out_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        index = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-        y = tl.load(y_ptr + index)
-        factor = tl.load(f_ptr + index)
-        squares, peak = squares_and_peak(y, factor)
-        tuple_squares, tuple_peak = tl.reduce((y * y, tl.abs(factor)), -1, sum_and_max,
-                                              keep_dims=True)
-        rows = tl.arange(0, ROWS)[:, None] * 4
-        tl.store(out_ptr + rows, squares)
-        tl.store(out_ptr + rows + 1, peak)
-        tl.store(out_ptr + rows + 2, tuple_squares)
-        tl.store(out_ptr + rows + 3, tuple_peak)
-    return kernel
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,block,warps", [(1, 4096, 16), (2, 4096, 16), (1, 256, 4),
-                                              (4, 64, 2)])
-def test_squares_and_peak_has_a_tuple_reductions_bits_on_a_gpu(rows, block, warps):
-    g = torch.Generator().manual_seed(rows * block)
-    y = torch.randn(rows, block, generator=g) * torch.logspace(-3, 3, block)
-    factor = torch.randn(rows, block, generator=g) * 7
-    factor[0, block // 3] = -1e30  # the peak from a negative value
-    if rows > 1:
-        y[1], factor[1] = 0, 0     # a zero row: the quantizer's floor
-    y, factor = y.cuda(), factor.cuda()
-    out = torch.empty(rows, 4, device="cuda")
-    _reduction_kernel()[(1,)](y, factor, out, ROWS=rows, BLOCK=block, num_warps=warps)
-    assert torch.equal(out[:, :2].view(torch.int32), out[:, 2:].view(torch.int32))
-    assert torch.equal(out[:, 1], factor.abs().amax(dim=1))
-    assert torch.allclose(out[:, 0].double(), (y.double() ** 2).sum(dim=1), rtol=1e-5)
