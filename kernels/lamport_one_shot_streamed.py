@@ -110,15 +110,16 @@ def lamport_one_shot_streamed_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, *
     # with or without FP8); one below (two were 4-14% slower at 1024 and 2048). Session 17
     # took two from 32 rows with a per-token quantizer, whose second row reduction the two
     # shared; that reduction is now folded into the norm's (fold_row_max), and two rows were 4%
-    # slower at 4096 with it. Not past 2 ranks: at 3-4 the polled [4, 2, row] tile spills
-    # registers in the sm_90 code (5 spill stores without FP8, 21-22 with it; session 27).
-    # (On 2 H200s, before the operands' preload, one a step was the faster at
-    # 8192: session 11.) Twice the layout's warps: 8 and 16 measured the same there, 4 was 45%
-    # slower; at 1-128 tokens 4 and 8 were within 2% of 16, 5-8% slower with per-token FP8.
+    # slower at 4096 with it. Not past 4 ranks: the polled [W, 2, row] tile would double what a
+    # thread holds (at 3-4 ranks the sm_90 code spills 5-22 registers; not timed, and the
+    # two-shot's spills at 4 rows a step cost less than 2 rows: session 27). (On 2 H200s,
+    # before the operands' preload, one a step was the faster at 8192: session 11.) Twice the
+    # layout's warps: 8 and 16 measured the same there, 4 was 45% slower; at 1-128 tokens 4
+    # and 8 were within 2% of 16, 5-8% slower with per-token FP8.
     items = triton.cdiv(x.numel(), layout.item)
     if tuning.group_items:
         group = group_items(items, layout.grid, tuning)
-    elif buffer.world_size <= 2 and options.get("norm") and items >= 64 * layout.grid:
+    elif buffer.world_size <= 4 and options.get("norm") and items >= 64 * layout.grid:
         group = 2
     else:
         group = 1

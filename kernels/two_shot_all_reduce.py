@@ -104,12 +104,8 @@ def two_shot_launch(x, buffer, out, *, tuning=DEFAULT_TUNING, **options):
     args = head + (buffer.data_table, buffer.signal_table, x.numel(),
                    upper_half_elements(buffer, x.element_size()), buffer.rank,
                    tuning.timeout_ns, round_items(items, layout.grid, tuning))
-    group = group_items(items, layout.grid, tuning)
-    if options.get("quant") and not tuning.group_items:
-        # 4 rows a step with an FP8 output spill registers in the sm_90 code at any world size
-        # (17-160 spill stores at hidden 4096; 2 rows: none; session 27)
-        group = min(group, 2)
-    kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block, GROUP=group)
+    kwargs.update(SUB=layout.sub, SUB_BLOCK=layout.sub_block,
+                  GROUP=group_items(items, layout.grid, tuning))
     kwargs.update(pdl_options(tuning, x))
     return two_shot_all_reduce_kernel, (layout.grid,), args, kwargs
 

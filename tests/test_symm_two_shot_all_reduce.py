@@ -40,22 +40,3 @@ def test_a_late_rank_keeps_its_output_when_peers_start_a_bigger_call(monkeypatch
 @pytest.mark.multigpu
 def test_on_gpus(tmp_path):
     run_on_gpus(tmp_path, two_shot_all_reduce)
-
-
-def test_an_fp8_output_moves_at_most_two_rows_a_step():
-    # 4 rows a step from 16 rows a program (128 programs: 2048 rows); 2 with an FP8 output,
-    # whose 4 spill registers (the sm_90 compile test), unless the tuning asks for more.
-    import torch
-
-    from infini_dist.kernels.symm_buffers import from_peer_tensors, header_bytes
-    from infini_dist.kernels.symm_device import SymmTuning
-    buffer = from_peer_tensors([torch.zeros(header_bytes(2) + (1 << 20), dtype=torch.uint8)
-                                for _ in range(2)], 0)
-    x = torch.randn(2048, 8)
-    for quant, group in [(None, 4), (("quant_fp8", 0.05), 2), (("quant_fp8_per_token",), 2)]:
-        *_, kwargs, _ = two_shot_all_reduce.bind(x, weight=torch.rand(8), quant=quant,
-                                                 buffer=buffer)
-        assert kwargs["GROUP"] == group, quant
-    *_, kwargs, _ = two_shot_all_reduce.bind(x, weight=torch.rand(8), quant=("quant_fp8", 0.05),
-                                             buffer=buffer, tuning=SymmTuning(group_items=4))
-    assert kwargs["GROUP"] == 4
