@@ -35,7 +35,11 @@ warning, since its time then is not a graph replay's. The compiled variants are 
 wall time, spread, graphs per step; --profile adds a profiler view of a decode step): those are
 the times the table compares, and each
 shape's infini_dist and plain steps over its collective-free step (b/f, a/f; `over_floor` in
-results.json). The error is the relative L2 of the logits against eager's, max over ranks. A
+results.json). On a GPU the same rounds are timed once more with the host kept ahead of the
+device (a sleep kernel in front of each round, step_timing.time_device): the step as the device
+makes it, and its ratios to the floor's (`over_floor_device`). A decode step whose host loop
+takes longer than its kernels (transformers' at small batches) shows the host in the first
+ratios and the sites in the second. The error is the relative L2 of the logits against eager's, max over ranks. A
 compile or run failure becomes a table entry.
 
 Target (issue #26; reported, not enforced): at TP = 2 the all-reduces are a small share of a
@@ -70,7 +74,8 @@ from infini_dist.launch.bench_model import Bench, run_meta, run_shape, setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.model_report import (FLOOR, VARIANTS, Target, add_floor_ratios, plot,
                                              print_details, summary)
-from infini_dist.launch.step_timing import profile_step, time_interleaved, timing_lines
+from infini_dist.launch.step_timing import (profile_step, time_device, time_interleaved,
+                                            timing_lines)
 from infini_dist.launch.tp_decoder import Shape
 
 FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
@@ -204,12 +209,18 @@ def note_cudagraphs(row: dict, watch: CudagraphWatch, bench: Bench, args) -> Non
 
 
 def profile_variants(bench: Bench, steps: dict, family: str, shape: Shape, args) -> dict:
-    """Interleaved timing of `steps` (step_timing.py), and with --profile a profiler view of a
-    decode step of each (traces under --out from rank 0). Each variant's `timing_graphs` counts
+    """Interleaved timing of `steps` (step_timing.py), on a GPU the same steps as the device
+    alone makes them (`time_device`), and with --profile a profiler view of a decode step of
+    each (traces under --out from rank 0). Each variant's `timing_graphs` counts
     the Dynamo graphs compiled meanwhile: anything but 0 means the timing ran other code."""
     from torch._dynamo.utils import counters
     graphs = counters["stats"]["unique_graphs"]
     timings = time_interleaved(bench, steps, args.rounds, args.round_calls)
+    if bench.cuda:
+        device = time_device(bench, steps, args.rounds, args.round_calls,
+                             {v: timings[v]["host_us"] for v in steps})
+        for variant, fields in device.items():
+            timings[variant].update(fields)
     if args.profile and shape.kind == "decode":
         for variant, step in steps.items():
             trace = os.path.join(args.out, f"trace_{family}_{shape.name}_{variant}.json"
@@ -339,7 +350,8 @@ def main(argv=None) -> int:
               f"infini_dist = the same with the pass, {FLOOR} = the same with no-op "
               f"collectives; {args.iters} timed calls each", flush=True)
     bench = Bench(args, device, control, capture=False)
-    rows, verdict, lines = [], {"target_misses": [], "check_failures": []}, []
+    rows, lines = [], []
+    verdict = {"target_misses": [], "device_target_misses": [], "check_failures": []}
     for family in args.families:
         family_rows = bench_family(bench, family, args, device, dtype, control)
         add_floor_ratios(family_rows)
@@ -351,7 +363,8 @@ def main(argv=None) -> int:
                       if r.get("cudagraphs") is False]
             replayed = f"NO for {', '.join(missed)} (bench bug on GPU)" if missed \
                 else "every compiled row"
-            family_lines.insert(len(family_lines) - 2, f"cudagraphs replayed: {replayed}")
+            at = next(i for i, line in enumerate(family_lines) if line.startswith("target: "))
+            family_lines.insert(at, f"cudagraphs replayed: {replayed}")
         lines += ["", f"== {family} =="] + timing_lines(family_rows, args.shapes) + family_lines
         for key, misses in family_verdict.items():
             verdict[key] += [f"{family} {m}" for m in misses]

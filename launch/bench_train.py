@@ -47,6 +47,7 @@ from infini_dist.launch.arguments import (add_matmul_prologue, add_model_sizes, 
                                           nonempty_ints, nonnegative_int, parse, positive_float,
                                           positive_int, usage_error)
 from infini_dist.launch.bench_model import setup
+from infini_dist.launch.step_timing import sleep_cycles_for
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 
 # infini_dist_eager_timing: the pass with its sites timed eagerly (benchmark_cuda_graphs off),
@@ -190,24 +191,6 @@ def max_over_ranks(times: list, control) -> float:
     median = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(median, op=dist.ReduceOp.MAX, group=control)
     return float(median)
-
-
-def sleep_cycles_for(seconds: float, device) -> tuple:
-    """torch.cuda._sleep's cycle count for about `seconds`, and what it then takes (the median
-    of 5 timed sleeps; the clock is the device's, so it is measured, not computed)."""
-    def timed(cycles: int) -> float:
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        runs = []
-        for _ in range(5):
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) * 1e-3)
-        return statistics.median(runs)
-    probe = 1_000_000
-    cycles = max(1, round(probe * seconds / timed(probe)))
-    return cycles, timed(cycles)
 
 
 def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,

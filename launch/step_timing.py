@@ -14,6 +14,12 @@ ours, plain, ...: the order flips every round), and per variant we keep:
   graphs       how many recorded graphs one step launches (a site that split the step's
                graph would show here as more graphs for ours than for plain)
 
+`time_device` times the same calls as the device alone makes them: each round queues its calls
+behind a sleep kernel long enough for the host to issue them all before the device starts, so
+the round's span on the device is the steps back to back with no host in the way (the GPU's own
+step, gaps between its kernels included). A host-bound decode loop hides what a site saves; this
+shows it.
+
 Every number is max over ranks. `profile_step` adds a torch.profiler view of a few steps: the
 GPU's kernel time per step (its busy time, with no host in the way), graph launches, and the
 host ops that cost the most. (Replaying a tree's recorded graphs directly would time the GPU
@@ -113,6 +119,83 @@ def time_interleaved(bench, calls: dict, rounds: int, per_round: int) -> dict:
     return result
 
 
+def sleep_cycles_for(seconds: float, device) -> tuple:
+    """torch.cuda._sleep's cycle count for about `seconds`, and what it then takes (the median
+    of 5 timed sleeps; the clock is the device's, so it is measured, not computed)."""
+    def timed(cycles: int) -> float:
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        runs = []
+        for _ in range(5):
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) * 1e-3)
+        return statistics.median(runs)
+    probe = 1_000_000
+    cycles = max(1, round(probe * seconds / timed(probe)))
+    return cycles, timed(cycles)
+
+
+def _device_round(fn, calls: int, cycles: int, align) -> tuple[float, bool]:
+    """(device us per call, whether the host issued every call before the device began them)."""
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    align()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    ahead = not start.query()  # the sleep (or the alignment) still held the device back
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls, ahead
+
+
+def time_device(bench, calls: dict, rounds: int, per_round: int, host_us: dict) -> dict:
+    """name -> {device_us: the median round's device time per call, device_spread: the
+    spread of the round medians, device_rounds: rounds timed, device_rounds_behind: rounds
+    where the host had not issued every call before the device began (their time is the
+    host's too: the sleep is doubled and the round tried again, three tries a round)}, max over
+    ranks. `host_us`: each call's host time, which sizes the sleep. Interleaved as in
+    `time_interleaved`. After each rank's sleep a one-element all_reduce on the default group
+    lines the devices up, so that no rank's span includes waiting for a peer's later start."""
+    names = list(calls)
+    marker = torch.zeros(1, device=bench.device)
+
+    def align():
+        if dist.get_world_size() > 1:
+            dist.all_reduce(marker)
+    align()  # a first collective builds its communicator: seconds of host time, not in a round
+    torch.cuda.synchronize()
+    sleeps = {}
+    for name in names:
+        wanted = max(0.002, 1.5 * per_round * host_us[name] * 1e-6 + 0.002)
+        sleeps[name] = sleep_cycles_for(wanted, bench.device)[0]
+    per_call = {n: [] for n in names}
+    behind = {n: 0 for n in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            for _ in range(3):
+                dist.barrier(group=bench.control)
+                us, ahead = _device_round(calls[name], per_round, sleeps[name], align)
+                # every rank must agree, or one repeats a round its peers do not
+                ahead = bench.worst(0.0 if ahead else 1.0) == 0.0
+                if ahead:
+                    per_call[name].append(us)
+                    break
+                behind[name] += 1
+                sleeps[name] *= 2
+    result = {}
+    for name in names:
+        timed = per_call[name]
+        result[name] = {
+            "device_us": bench.worst(statistics.median(timed)) if timed else None,
+            "device_spread": bench.worst(max(timed) / min(timed)) if timed else None,
+            "device_rounds": len(timed), "device_rounds_behind": behind[name]}
+    return result
+
+
 def profile_step(fn, steps: int, cuda: bool, trace_path: str | None = None) -> dict:
     """A torch.profiler view of `steps` calls: per step, the host time of the call, the GPU
     kernel time, graph launches, our op's host calls; and the 8 host ops with the most self
@@ -145,14 +228,22 @@ def profile_step(fn, steps: int, cuda: bool, trace_path: str | None = None) -> d
                              for e in top]}
 
 
+def _number(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return "-" if value is None else format(value, fmt)
+
+
 def timing_lines(rows: list[dict], shapes) -> list[str]:
     """The interleaved timings of the compiled variants, one line per shape and variant, and
     each profiled step's view."""
     lines = ["", "interleaved timing (us per step, max over ranks): call = events around each "
              "call (p10-p90, spread of round medians), host = call returns, wall = per call "
-             "with a sync per round, kernels = GPU kernel time per step (profiler, rank 0)",
+             "with a sync per round, kernels = GPU kernel time per step (profiler, rank 0), "
+             "device = the step as the device alone makes it (time_device; spread of its "
+             "rounds)",
              f"{'shape':>14s} {'variant':15s} {'call':>8s} {'p10-p90':>15s} {'spread':>6s} "
-             f"{'host':>8s} {'wall':>8s} {'kernels':>8s} {'graphs':>6s}"]
+             f"{'host':>8s} {'wall':>8s} {'kernels':>8s} {'graphs':>6s} {'device':>8s} "
+             f"{'spread':>6s}"]
     for shape in shapes:
         for row in rows:
             if row["shape"] != shape.name or "call_us" not in row:
@@ -163,7 +254,8 @@ def timing_lines(rows: list[dict], shapes) -> list[str]:
                 f"{row['call_p10_us']:7.1f}-{row['call_p90_us']:<7.1f} "
                 f"{row['round_spread']:6.2f} {row['host_us']:8.1f} {row['wall_us']:8.1f} "
                 f"{'-' if gpu is None else f'{gpu:.1f}':>8s} "
-                f"{row.get('graphs_per_step', '-')!s:>6s}")
+                f"{row.get('graphs_per_step', '-')!s:>6s} {_number(row, 'device_us', '.1f'):>8s} "
+                f"{_number(row, 'device_spread', '.2f'):>6s}")
     for row in rows:
         view = row.get("profile")
         if view:

@@ -142,8 +142,13 @@ def test_floor_target_and_checks():
             dict(shape=pre.name, variant="inductor", median_us=900.0, rel_l2_vs_eager=1e-3),
             dict(shape=pre.name, variant="infini_dist", median_us=950.0, rel_l2_vs_eager=1e-3),
             dict(shape=pre.name, variant="collective_free", median_us=800.0, **floor)]
+    # the steps as the device alone made them (step_timing.time_device), decode b1 only
+    for variant, us in (("inductor", 104.0), ("infini_dist", 101.0), ("collective_free", 97.0)):
+        rows[[r["variant"] for r in rows[:3]].index(variant)]["device_us"] = us
     bench_hf.add_floor_ratios(rows)
     by = {(r["shape"], r["variant"]): r for r in rows}
+    assert by[(d1.name, "infini_dist")]["over_floor_device"] == pytest.approx(101 / 97)
+    assert "over_floor_device" not in by[(d8.name, "infini_dist")]
     assert by[(d1.name, "infini_dist")]["over_floor"] == pytest.approx(1.02)
     assert by[(d1.name, "inductor")]["over_floor"] == pytest.approx(1.1)
     assert "over_floor" not in by[(d1.name, "collective_free")]
@@ -154,8 +159,14 @@ def test_floor_target_and_checks():
         "prefill 1024: 0.95x < 1.0x"]
     assert verdict["check_failures"] == [
         "decode b8: collective_free is no floor: 4 collective(s) replaced, 1 left in its graphs"]
+    # b1 on the device: 101 / 97 = 1.041 > 1.03
+    assert verdict["device_target_misses"] == [
+        "decode b1: 1.041x the collective_free step > 1.03x (inductor 1.072x)"]
     assert lines[-1].endswith(": ok")  # the pass's logits are fine; the floor is the failure
-    assert lines[-3].startswith("floor: ") and "1 left in its graphs" in lines[-3]
+    assert lines[-3] == "device-only step (host kept ahead; b/f): decode b1 1.041 (inductor " \
+        "1.072; 101.0 us)"
+    assert lines[-2].startswith("target on the device-only step: NOT met: decode b1: 1.041x")
+    assert lines[-5].startswith("floor: ") and "1 left in its graphs" in lines[-5]
     assert "1.020  1.100" in lines[3]  # decode b1: b/f, a/f
 
 
