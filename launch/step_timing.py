@@ -156,8 +156,10 @@ def time_device(bench, calls: dict, rounds: int, per_round: int, host_us: dict) 
     """name -> {device_us: the median round's device time per call, device_spread: the
     spread of the round medians, device_rounds: rounds timed, device_rounds_behind: rounds
     where the host had not issued every call before the device began (their time is the
-    host's too: the sleep is doubled and the round tried again, three tries a round)}, max over
-    ranks. `host_us`: each call's host time, which sizes the sleep. Interleaved as in
+    host's too: the round is tried again behind a sleep twice as long, up to 4x the first, three
+    tries a round; a variant whose three tries all fall behind waits for the device inside its
+    calls, and is not tried again)}, max over ranks. `host_us`: each call's host time, which
+    sizes the sleep. Interleaved as in
     `time_interleaved`. After each rank's sleep a one-element all_reduce on the default group
     lines the devices up, so that no rank's span includes waiting for a peer's later start."""
     names = list(calls)
@@ -172,10 +174,14 @@ def time_device(bench, calls: dict, rounds: int, per_round: int, host_us: dict) 
     for name in names:
         wanted = max(0.002, 1.5 * per_round * host_us[name] * 1e-6 + 0.002)
         sleeps[name] = sleep_cycles_for(wanted, bench.device)[0]
+    longest = {n: 4 * cycles for n, cycles in sleeps.items()}
     per_call = {n: [] for n in names}
     behind = {n: 0 for n in names}
+    waits = set()  # variants whose calls wait for the device: no sleep gets the host ahead
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
+            if name in waits:
+                continue
             for _ in range(3):
                 dist.barrier(group=bench.control)
                 us, ahead = _device_round(calls[name], per_round, sleeps[name], align)
@@ -185,7 +191,9 @@ def time_device(bench, calls: dict, rounds: int, per_round: int, host_us: dict) 
                     per_call[name].append(us)
                     break
                 behind[name] += 1
-                sleeps[name] *= 2
+                sleeps[name] = min(2 * sleeps[name], longest[name])
+            else:
+                waits.add(name)
     result = {}
     for name in names:
         timed = per_call[name]

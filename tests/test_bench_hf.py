@@ -142,9 +142,11 @@ def test_floor_target_and_checks():
             dict(shape=pre.name, variant="inductor", median_us=900.0, rel_l2_vs_eager=1e-3),
             dict(shape=pre.name, variant="infini_dist", median_us=950.0, rel_l2_vs_eager=1e-3),
             dict(shape=pre.name, variant="collective_free", median_us=800.0, **floor)]
-    # the steps as the device alone made them (step_timing.time_device), decode b1 only
+    # the steps as the device alone made them (step_timing.time_device): decode b1, and
+    # prefill without plain's (its calls waited for the device), so prefill is not judged
     for variant, us in (("inductor", 104.0), ("infini_dist", 101.0), ("collective_free", 97.0)):
         rows[[r["variant"] for r in rows[:3]].index(variant)]["device_us"] = us
+    rows[-2]["device_us"], rows[-1]["device_us"] = 940.0, 790.0
     bench_hf.add_floor_ratios(rows)
     by = {(r["shape"], r["variant"]): r for r in rows}
     assert by[(d1.name, "infini_dist")]["over_floor_device"] == pytest.approx(101 / 97)
@@ -164,10 +166,18 @@ def test_floor_target_and_checks():
         "decode b1: 1.041x the collective_free step > 1.03x (inductor 1.072x)"]
     assert lines[-1].endswith(": ok")  # the pass's logits are fine; the floor is the failure
     assert lines[-3] == "device-only step (host kept ahead; b/f): decode b1 1.041 (inductor " \
-        "1.072; 101.0 us)"
-    assert lines[-2].startswith("target on the device-only step: NOT met: decode b1: 1.041x")
+        "1.072; 101.0 us); prefill 1024 1.190 (inductor -; 940.0 us)"
+    assert lines[-2] == "target on the device-only step: NOT met: decode b1: 1.041x the " \
+        "collective_free step > 1.03x (inductor 1.072x); not judged (a variant's calls waited " \
+        "for the device): prefill 1024"
     assert lines[-5].startswith("floor: ") and "1 left in its graphs" in lines[-5]
     assert "1.020  1.100" in lines[3]  # decode b1: b/f, a/f
+    # only unjudged shapes: neither met nor missed
+    prefill_rows = [r for r in rows if r["shape"] == pre.name]
+    lines, verdict = bench_hf.summary(prefill_rows, [pre], Args, False, bench_hf.TARGET)
+    assert verdict["device_target_misses"] == []
+    assert lines[-2] == "target on the device-only step: not judged (a variant's calls " \
+        "waited for the device): prefill 1024"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,6 +1,7 @@
 """launch/step_timing.py's device-only timing (`time_device`) on GPUs: a call whose host takes
 ten times its kernel must time as its kernel there, while the interleaved events around each call
-(`time_interleaved`) time the host. Two ranks where there are two GPUs, so the all_reduce that
+(`time_interleaved`) time the host; a call that waits for the device is given up on after three
+tries, not timed. Two ranks where there are two GPUs, so the all_reduce that
 lines the devices up after each sleep runs too.
 """
 
@@ -39,11 +40,17 @@ def timing_worker(rank, world_size):
     def device_bound():
         torch.cuda._sleep(cycles)
 
-    calls = {"host_bound": host_bound, "device_bound": device_bound}
+    def waits():  # a call that waits for the device: no sleep can get the host ahead
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+
+    calls = {"host_bound": host_bound, "device_bound": device_bound, "waits": waits}
     bench = Bench()
     timed = time_interleaved(bench, calls, 2, 5)
+    begin = time.perf_counter()
     device_only = time_device(bench, calls, 2, 5, {n: timed[n]["host_us"] for n in calls})
-    return dict(kernel_us=bench.worst(kernel_s * 1e6), timed=timed, device=device_only)
+    return dict(kernel_us=bench.worst(kernel_s * 1e6), timed=timed, device=device_only,
+                device_s=time.perf_counter() - begin)
 
 
 @pytest.mark.gpu
@@ -59,3 +66,7 @@ def test_device_time_hides_the_host():
             # processes may share the card)
             assert 0.9 * kernel < device["device_us"] < 2 * kernel, (name, report)
             assert device["device_spread"] >= 1.0
+        # three tries behind sleeps of about 2 ms x 1, 2 and 4, then never again
+        assert report["device"]["waits"] == dict(device_us=None, device_spread=None,
+                                                 device_rounds=0, device_rounds_behind=3)
+        assert report["device_s"] < 5, report
