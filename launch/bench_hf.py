@@ -39,8 +39,8 @@ results.json). On a GPU the same rounds are timed once more with the host kept a
 device (a sleep kernel in front of each round, step_timing.time_device): the step as the device
 makes it, and its ratios to the floor's (`over_floor_device`). A decode step whose host loop
 takes longer than its kernels (transformers' at small batches) shows the host in the first
-ratios and the sites in the second. The error is the relative L2 of the logits against eager's, max over ranks. A
-compile or run failure becomes a table entry.
+ratios and the sites in the second. The error is the relative L2 of the logits against eager's,
+max over ranks. A compile or run failure becomes a table entry.
 
 Target (issue #26; reported, not enforced): at TP = 2 the all-reduces are a small share of a
 decode step, so a speed-up over plain is bounded by what they cost; the floor is the honest

@@ -159,9 +159,9 @@ def time_device(bench, calls: dict, rounds: int, per_round: int, host_us: dict) 
     host's too: the round is tried again behind a sleep twice as long, up to 4x the first, three
     tries a round; a variant whose three tries all fall behind waits for the device inside its
     calls, and is not tried again)}, max over ranks. `host_us`: each call's host time, which
-    sizes the sleep. Interleaved as in
-    `time_interleaved`. After each rank's sleep a one-element all_reduce on the default group
-    lines the devices up, so that no rank's span includes waiting for a peer's later start."""
+    sizes the sleep. Interleaved as in `time_interleaved`. After each rank's sleep a
+    one-element all_reduce on the default group lines the devices up, so that no rank's span
+    includes waiting for a peer's later start."""
     names = list(calls)
     marker = torch.zeros(1, device=bench.device)
 
