@@ -170,11 +170,10 @@ def time_device(bench, calls: dict, rounds: int, per_round: int, host_us: dict) 
             dist.all_reduce(marker)
     align()  # a first collective builds its communicator: seconds of host time, not in a round
     torch.cuda.synchronize()
-    sleeps = {}
-    for name in names:
-        wanted = max(0.002, 1.5 * per_round * host_us[name] * 1e-6 + 0.002)
-        sleeps[name] = sleep_cycles_for(wanted, bench.device)[0]
-    longest = {n: 4 * cycles for n, cycles in sleeps.items()}
+    cycles, seconds = sleep_cycles_for(0.002, bench.device)  # the device's clock, measured once
+    sleeps = {name: round(cycles / seconds * (1.5 * per_round * host_us[name] * 1e-6 + 0.002))
+              for name in names}
+    longest = {n: 4 * s for n, s in sleeps.items()}
     per_call = {n: [] for n in names}
     behind = {n: 0 for n in names}
     waits = set()  # variants whose calls wait for the device: no sleep gets the host ahead
