@@ -72,6 +72,11 @@ def _cell(row, key, fmt):
     return "-" if value is None else format(value, fmt)
 
 
+def _against_floor(shape, target: Target) -> bool:
+    """Whether `target` judges `shape` against the collective-free step (else against plain)."""
+    return shape.kind == "decode" and shape.batch <= target.max_batch and bool(target.floor_ratio)
+
+
 def _speed_miss(shape, a, b, f, target: Target, device: bool = False) -> str | None:
     """The shape's miss of `target` (None: met, or nothing to compare). `device`: judged on the
     steps as the device alone made them (`device_us`, `over_floor_device`)."""
@@ -82,7 +87,7 @@ def _speed_miss(shape, a, b, f, target: Target, device: bool = False) -> str | N
         return f"{shape.name}: no speed-up (an error above)"
     speedup = a[key] / b[key]
     decode = shape.kind == "decode" and shape.batch <= target.max_batch
-    if decode and target.floor_ratio:
+    if _against_floor(shape, target):
         over = b.get(ratio)
         if over is None:
             return f"{shape.name}: no {FLOOR} step to compare with" + (
@@ -107,8 +112,7 @@ def _device_lines(by, shapes, target: Target) -> tuple[list[str], list[str]]:
             continue
         cells.append(f"{shape.name} {_cell(b, 'over_floor_device', '.3f')} (inductor "
                      f"{_cell(a, 'over_floor_device', '.3f')}; {b['device_us']:.1f} us)")
-        decode = shape.kind == "decode" and shape.batch <= target.max_batch
-        compared = (b, f) if decode and target.floor_ratio else (a, b)
+        compared = (b, f) if _against_floor(shape, target) else (a, b)
         if not all((r or {}).get("device_us") for r in compared):
             unjudged.append(shape.name)
             continue
