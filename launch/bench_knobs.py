@@ -16,7 +16,7 @@ kernels with per-token FP8's row max from a pass of its own and from the norm's 
 items a step from 1024 tokens (without FP8, static and per-token), and with its 16 warps or 4
 or 8 at 1-128 tokens (without FP8 and per-token: fewer warps, cheaper row reductions), and
 the two-shot with an FP8 output at 2048 and 8192 tokens, the launch's 4 rows a step against 2
-(4 spill registers in the sm_90 code, yet were 3-5% faster on 2 H100s; session 27).
+(4 rows spill registers in the sm_90 code, yet were 3-5% faster on 2 H100s; session 27).
 (Session 17's pairs of `SymmTuning(preload=)` decided that knob: docs/notes_symm.md.)
 
 `--fp8-pairs`: the FP8 quantizers' cost, A/B pairs of the streamed kernel without a quantizer
