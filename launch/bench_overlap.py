@@ -9,6 +9,8 @@ bf16, hidden 4096, the TP decoder's GEMMs at TP = W (Llama-3-8B widths), every r
 CUDA-graph replay, µs per call, max over ranks:
   gemm NAME            the GEMM alone (cuBLAS)
   gemm NAME / C        the same GEMM as C matmuls over row chunks, nothing else running
+  gemm NAME, ...       the forward GEMMs storing their output (or half its rows) into a
+                       peer's symmetric memory: the transfer made by the GEMM's own stores
   TRANSFER             the all-reduce's transfer alone: `ce_push` (a copy engine writing this
                        rank's tokens x 4096 into every peer's symmetric buffer), `nccl_ar`,
                        `streamed` / `streamed_pP` (one_shot_lamport_streamed, AR + add +
@@ -74,12 +76,12 @@ def beside(transfer, gemm, side: torch.cuda.Stream):
     return run
 
 
-def transfers(tokens: int, group, device):
+def transfers(link: Link, tokens: int, group):
     """name -> (callable, check): check(run) clears the transfer's result, calls run (the
     transfer alone or beside a GEMM) once and says whether the result is right."""
     from infini_dist.kernels.lamport_one_shot_streamed import (
         lamport_one_shot_streamed_all_reduce)
-    link = Link(tokens * HIDDEN, group, device)
+    device = link.device
     x = link.mine.view(tokens, HIDDEN)
     residual = source(100, x.numel(), device).view(tokens, HIDDEN)  # replicated, as in TP
     weight = source(200, HIDDEN, device)
@@ -108,6 +110,39 @@ def transfers(tokens: int, group, device):
     return rows
 
 
+def into_peer(link: Link, a, b) -> dict:
+    """label -> run: the GEMM with its output rows in the first peer's symmetric memory (cuBLAS
+    storing over the link), all of them, or the first half there and the rest here: a
+    reduce-scatter made by the GEMM's own stores, at two ranks."""
+    rows, half = a.shape[0], a.shape[0] // 2
+    peer = link.remote(link.peers[0], link.rank)[:rows * b.shape[1]].view(rows, b.shape[1])
+    here = link.own()[:rows * b.shape[1]].view(rows, b.shape[1])
+
+    def halves():
+        torch.mm(a[:half], b, out=peer[:half])
+        torch.mm(a[half:], b, out=here[half:])
+    return {"out in a peer's memory": lambda: torch.mm(a, b, out=peer),
+            "half the rows in a peer's memory, then half here": halves}
+
+
+def received_gemm(link: Link, a, b, run) -> str:
+    """Every rank's GEMM operands are the same (`gemms`), so what the peer stored into this
+    rank's slot must be this rank's own product, bit for bit."""
+    link.clear()
+    torch.cuda.synchronize(link.device)
+    dist.barrier()
+    run()
+    torch.cuda.synchronize(link.device)
+    dist.barrier()
+    sender = (link.rank - 1) % link.world  # whose link.peers[0] this rank is
+    got = link.symm[sender * link.numel:][:a.shape[0] * b.shape[1]].view(a.shape[0], b.shape[1])
+    rows = a.shape[0] if torch.count_nonzero(got[a.shape[0] // 2:]) else a.shape[0] // 2
+    ok = torch.tensor([int(torch.equal(got[:rows], (a @ b)[:rows]))], device=link.device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    link.symm[link.world * link.numel:].copy_(link.mine)  # `here` wrote over this rank's data
+    return "received" if ok.item() else "WRONG DATA"
+
+
 def table(rows: list[tuple]) -> str:
     lines = ["| row | µs | gemm + transfer alone | hidden | check |", "|---|---|---|---|---|"]
     for name, us, alone, hidden, check in rows:
@@ -131,8 +166,14 @@ def sweep(tokens: int, group, device, timer) -> list[tuple]:
         if name.endswith("(fwd)"):
             for chunks in (2, 4):
                 add(f"gemm {name} / {chunks}", timer.graph(in_chunks(a, b, chunks)[1]) * 1e6)
+    link = Link(tokens * HIDDEN, group, device)
+    for name, (a, b) in operands.items():
+        if name.endswith("(fwd)"):
+            for label, run in into_peer(link, a, b).items():
+                add(f"gemm {name}, {label}", timer.graph(run) * 1e6,
+                    check=received_gemm(link, a, b, run))
     side = torch.cuda.Stream(device)
-    for t_name, (transfer, check) in transfers(tokens, group, device).items():
+    for t_name, (transfer, check) in transfers(link, tokens, group).items():
         t_alone = timer.graph(transfer) * 1e6
         add(t_name, t_alone, check=check(transfer))
         for g_name, (a, b) in operands.items():
