@@ -11,6 +11,8 @@ CUDA-graph replay, µs per call, max over ranks:
   gemm NAME / C        the same GEMM as C matmuls over row chunks, nothing else running
   gemm NAME, ...       the forward GEMMs storing their output (or half its rows) into a
                        peer's symmetric memory: the transfer made by the GEMM's own stores
+  NAME: gemm_one_shot  our Triton GEMM pushing its tiles, then the reduction + add + RMSNorm
+                       (kernels/gemm_all_reduce), together and each launch apart
   TRANSFER             the all-reduce's transfer alone: `ce_push` (a copy engine writing this
                        rank's tokens x 4096 into every peer's symmetric buffer), `nccl_ar`,
                        `streamed` / `streamed_pP` (one_shot_lamport_streamed, AR + add +
@@ -125,6 +127,44 @@ def into_peer(link: Link, a, b) -> dict:
             "half the rows in a peer's memory, then half here": halves}
 
 
+def gemm_one_shot_parts(a, b, group, device) -> tuple[dict, object]:
+    """(label -> run, check): kernels/gemm_all_reduce's two launches for a @ b with the
+    all-reduce + residual add + RMSNorm, together and apart, and its first launch with its
+    pushes landing in this GPU's own memory (local scratch): what the pushes over the link cost
+    our GEMM, beside what cuBLAS storing into a peer costs (`into_peer`)."""
+    from infini_dist.kernels import symm_buffers
+    from infini_dist.kernels.gemm_all_reduce import KIND, gemm_all_reduce_launch, gemm_bytes
+    from infini_dist.kernels.symm_call import norm_options
+    rows, n = a.shape[0], b.shape[1]
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = gemm_bytes(rows * n, a.element_size(), world)
+    out, pre = (torch.empty(rows, n, dtype=a.dtype, device=device) for _ in range(2))
+    residual = source(100, rows * n, device).view(rows, n)
+    weight = source(200, n, device)
+    options = dict(pre=pre, **norm_options(out, "rms_norm", weight, None, residual))
+    w = b.t()  # [N, K]: F.linear's layout
+    (gemm, reduce), (local_gemm, _) = (
+        gemm_all_reduce_launch(a, w, buffer, out, **options)
+        for buffer in (symm_buffers.get_buffer(group, device, KIND, size),
+                       symm_buffers.local_scratch(world, rank, size, device)))
+
+    def launch(*launches):
+        def run():
+            for kernel, grid, args, kwargs in launches:
+                kernel[grid](*args, **kwargs)
+        return run
+
+    def check(run):
+        out.fill_(0.0)
+        run()
+        error, same = error_and_agreement((out,), a @ b, residual, weight, None)[:2]
+        return f"max abs error {error:.3g}, " + ("same bits" if same else "RANKS DIFFER")
+    return {"gemm_one_shot: GEMM + push, then reduction + add + RMSNorm": launch(gemm, reduce),
+            "its GEMM + push to the peers alone": launch(gemm),
+            "its GEMM + push into local scratch": launch(local_gemm),
+            "its reduction + add + RMSNorm alone": launch(reduce)}, check
+
+
 def received_gemm(link: Link, a, b, run) -> str:
     """Every rank's GEMM operands are the same (`gemms`), so what the peer stored into this
     rank's slot must be this rank's own product, bit for bit."""
@@ -172,6 +212,10 @@ def sweep(tokens: int, group, device, timer) -> list[tuple]:
             for label, run in into_peer(link, a, b).items():
                 add(f"gemm {name}, {label}", timer.graph(run) * 1e6,
                     check=received_gemm(link, a, b, run))
+            parts, check = gemm_one_shot_parts(a, b, group, device)
+            for label, run in parts.items():
+                add(f"{name}: {label}", timer.graph(run) * 1e6,
+                    check=check(run) if label.startswith("gemm_one_shot") else "")
     side = torch.cuda.Stream(device)
     for t_name, (transfer, check) in transfers(link, tokens, group).items():
         t_alone = timer.graph(transfer) * 1e6
