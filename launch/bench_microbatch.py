@@ -231,7 +231,7 @@ def main(argv=None):
                         help="tokens a forward: two sequences of half of it")
     parser.add_argument("--layers", type=positive_int, default=4)
     parser.add_argument("--rounds", type=positive_int, default=3,
-                        help="interleaved rounds of the three variants")
+                        help="interleaved rounds of the variants")
     add_probe_arguments(parser, watchdog=300)
     args = parser.parse_args(argv)
     device, timer = start_probe(args)
