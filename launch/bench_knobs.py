@@ -106,13 +106,18 @@ def error_and_agreement(results, x, residual, weight, quant) -> tuple[float, boo
     want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
     scale = results[1] if quant == PER_TOKEN else FP8_SCALE if quant else 1.0  # float or tensor
     got = out.float() * scale
+    same, checksum = bits_agree(out)
+    return float((got - want).abs().max()), same, checksum
+
+
+def bits_agree(out) -> tuple[bool, list]:
+    """Whether every rank holds the same bits in `out` (contiguous), and this rank's checksum."""
     bits = out.view(torch.uint8).to(torch.int64)
     checksum = torch.stack([bits.sum(), (bits * torch.arange(bits.numel(), device=bits.device)
                                          .view(bits.shape)).sum()])
     gathered = [torch.empty_like(checksum) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, checksum)
-    return (float((got - want).abs().max()), all(torch.equal(g, gathered[0]) for g in gathered),
-            checksum.tolist())
+    return all(torch.equal(g, gathered[0]) for g in gathered), checksum.tolist()
 
 
 def pair_sweep(device, cases, legend):

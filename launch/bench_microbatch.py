@@ -37,6 +37,7 @@ from infini_dist.kernels.lamport_one_shot_streamed import lamport_one_shot_strea
 from infini_dist.kernels.symm_buffers import slot_elements
 from infini_dist.kernels.symm_call import norm_options
 from infini_dist.launch.arguments import positive_int
+from infini_dist.launch.bench_knobs import bits_agree
 from infini_dist.launch.bench_link import add_probe_arguments, start_probe
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, rms_norm
 
@@ -145,9 +146,9 @@ class Variant:
         self.name = name
         stages = 2 * len(model.layers)
         rows, hidden = x.shape[0] * x.shape[1], x.shape[2]
-        self.split = name in ("floor_microbatched", "pipelined")
         if name != "pipelined":
-            parts = [x[i:i + 1] for i in range(MICROBATCHES)] if self.split else [x]
+            split = name == "floor_microbatched"
+            parts = [x[i:i + 1] for i in range(MICROBATCHES)] if split else [x]
             per = rows // len(parts)
             local = reduce_site(symm_buffers.local_scratch(
                 1, 0, chunk_reduce_bytes(per * hidden, x.element_size(), 1), device),
@@ -216,15 +217,6 @@ def reference(model, x, group):
     return h
 
 
-def agreement(out) -> bool:
-    bits = out.contiguous().view(torch.int16).to(torch.int64)
-    checksum = torch.stack([bits.sum(), (bits * torch.arange(bits.numel(), device=out.device)
-                                         .view(bits.shape)).sum()])
-    gathered = [torch.empty_like(checksum) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, checksum)
-    return all(torch.equal(g, gathered[0]) for g in gathered)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=positive_int, default=2048,
@@ -250,7 +242,7 @@ def main(argv=None):
         got = run().float().view(want.shape)
         torch.cuda.synchronize(device)
         error = float((got - want).norm() / want.norm())
-        checks[name] = f"rel. L2 {error:.2e}, " + ("same bits" if agreement(got)
+        checks[name] = f"rel. L2 {error:.2e}, " + ("same bits" if bits_agree(got)[0]
                                                     else "RANKS DIFFER")
     pipelined = variants["pipelined"]
 

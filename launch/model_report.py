@@ -63,7 +63,8 @@ def _floor_check(row) -> str | None:
     return None
 
 
-def _cell(row, key, fmt):
+def cell(row, key, fmt) -> str:
+    """row[key] formatted; "-" where there is no row or value, "error" for a failed row."""
     if row is None:
         return "-"
     if "error" in row:
@@ -110,8 +111,8 @@ def _device_lines(by, shapes, target: Target) -> tuple[list[str], list[str]]:
         a, b, f = (by.get((shape.name, v)) for v in VARIANTS[:3])
         if not (b or {}).get("device_us"):
             continue
-        cells.append(f"{shape.name} {_cell(b, 'over_floor_device', '.3f')} (inductor "
-                     f"{_cell(a, 'over_floor_device', '.3f')}; {b['device_us']:.1f} us)")
+        cells.append(f"{shape.name} {cell(b, 'over_floor_device', '.3f')} (inductor "
+                     f"{cell(a, 'over_floor_device', '.3f')}; {b['device_us']:.1f} us)")
         compared = (b, f) if _against_floor(shape, target) else (a, b)
         if not all((r or {}).get("device_us") for r in compared):
             unjudged.append(shape.name)
@@ -159,13 +160,13 @@ def summary(rows, shapes, args, smoke: bool, target: Target | None = None
         speedup = a["median_us"] / b["median_us"] if a and b and a.get("median_us") \
             and b.get("median_us") else None
         chosen = sorted({d["choice"] for d in (b or {}).get("decisions", [])})
-        lines.append(f"{shape.name:>14s} {_cell(a, 'median_us', '.1f'):>10s} "
-                     f"{_cell(b, 'median_us', '.1f'):>10s} {_cell(f, 'median_us', '.1f'):>10s} "
-                     f"{_cell(c, 'median_us', '.1f'):>10s} "
+        lines.append(f"{shape.name:>14s} {cell(a, 'median_us', '.1f'):>10s} "
+                     f"{cell(b, 'median_us', '.1f'):>10s} {cell(f, 'median_us', '.1f'):>10s} "
+                     f"{cell(c, 'median_us', '.1f'):>10s} "
                      f"{'-' if speedup is None else f'{speedup:.2f}x':>6s} "
-                     f"{_cell(b, 'over_floor', '.3f'):>6s} {_cell(a, 'over_floor', '.3f'):>6s} "
-                     f"{_cell(b, 'sites', 'd'):>5s} {_cell(b, 'rel_l2_vs_eager', '.2e'):>10s} "
-                     f"{_cell(a, 'rel_l2_vs_eager', '.2e'):>10s}  {','.join(chosen) or '-'}")
+                     f"{cell(b, 'over_floor', '.3f'):>6s} {cell(a, 'over_floor', '.3f'):>6s} "
+                     f"{cell(b, 'sites', 'd'):>5s} {cell(b, 'rel_l2_vs_eager', '.2e'):>10s} "
+                     f"{cell(a, 'rel_l2_vs_eager', '.2e'):>10s}  {','.join(chosen) or '-'}")
     if floors:
         lines.append(f"floor: {FLOOR} = the same compile, every collective a no-op (its output "
                      f"is not checked): " + ("; ".join(no_floor) if no_floor else

@@ -35,6 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from infini_dist.launch.model_report import cell
+
 
 def step_graphs(device) -> list:
     """The CUDAGraphs the latest step ran, first to last (a step starts at the tree's root:
@@ -235,11 +237,6 @@ def profile_step(fn, steps: int, cuda: bool, trace_path: str | None = None) -> d
                              for e in top]}
 
 
-def _number(row: dict, key: str, fmt: str) -> str:
-    value = row.get(key)
-    return "-" if value is None else format(value, fmt)
-
-
 def timing_lines(rows: list[dict], shapes) -> list[str]:
     """The interleaved timings of the compiled variants, one line per shape and variant, and
     each profiled step's view."""
@@ -261,8 +258,8 @@ def timing_lines(rows: list[dict], shapes) -> list[str]:
                 f"{row['call_p10_us']:7.1f}-{row['call_p90_us']:<7.1f} "
                 f"{row['round_spread']:6.2f} {row['host_us']:8.1f} {row['wall_us']:8.1f} "
                 f"{'-' if gpu is None else f'{gpu:.1f}':>8s} "
-                f"{row.get('graphs_per_step', '-')!s:>6s} {_number(row, 'device_us', '.1f'):>8s} "
-                f"{_number(row, 'device_spread', '.2f'):>6s}")
+                f"{row.get('graphs_per_step', '-')!s:>6s} {cell(row, 'device_us', '.1f'):>8s} "
+                f"{cell(row, 'device_spread', '.2f'):>6s}")
     for row in rows:
         view = row.get("profile")
         if view:
