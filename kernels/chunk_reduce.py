@@ -65,6 +65,13 @@ def chunk_reduce_bytes(numel: int, element_size: int, world_size: int) -> int:
     return world_size * slot_elements(numel) * element_size
 
 
+def barrier_launch(buffer, on_gpu: bool, tuning=DEFAULT_TUNING) -> tuple:
+    """(kernel, grid, args, kwargs): one barrier of every rank on `buffer`'s signals."""
+    return (chunk_barrier_kernel, (1,), (buffer.signal_table, buffer.rank, tuning.timeout_ns),
+            dict(WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
+                 ON_GPU=on_gpu, num_warps=1))
+
+
 def chunk_reduce_launches(y, buffer, out, chunks: list[tuple[int, int]], *,
                           tuning=DEFAULT_TUNING, **options) -> list[list[tuple]]:
     """For each chunk (first, count) of y's elements (a whole number of rows where a norm
@@ -83,10 +90,7 @@ def chunk_reduce_launches(y, buffer, out, chunks: list[tuple[int, int]], *,
     layout, head, kwargs = fused_arguments(y, buffer, out, fold_row_max=tuning.fold_row_max,
                                            **options)
     del kwargs["PROLOGUE"], kwargs["WS_P2"], kwargs["ON_GPU"]
-    barrier = (chunk_barrier_kernel, (1,),
-               (buffer.signal_table, buffer.rank, tuning.timeout_ns),
-               dict(WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
-                    ON_GPU=y.is_cuda, num_warps=1))
+    barrier = barrier_launch(buffer, y.is_cuda, tuning)
     stride = slot_elements(y.numel())
     launches = []
     for first, count in chunks:

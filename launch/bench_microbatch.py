@@ -1,13 +1,14 @@
-"""What two micro-batches pipelined across the TP decoder's layers hide of its all-reduces: the
-measurement that decides whether a pass splitting prefill into micro-batches is worth building
-(issue #26 item 4: prefill ≤ 1.05× the collective-free step; #27's forward sites).
+"""What two micro-batches pipelined across the TP decoder's layers, or each site split into a
+reduce-scatter and an all-gather under the GEMMs beside it, hide of its all-reduces: the
+measurement that decides whether a pass making either is worth building (issue #26 item 4:
+prefill ≤ 1.05× the collective-free step; #27's forward sites).
 
     torchrun --standalone --nproc-per-node=2 -m infini_dist.launch.bench_microbatch \
-        [--tokens 2048] [--layers 4]
+        [--tokens 2048] [--layers 4] [--rounds 3] [--variants floor,sync,...] [--trace DIR]
 
 A prefill of two sequences of tokens / 2 through `launch/tp_decoder.py`'s layers (Llama-3-8B
 widths, random weights, bf16), forward only, the whole forward in one CUDA graph, ms per
-forward, max over ranks, four ways:
+forward, max over ranks, six ways:
   floor      every site's all_reduce a no-op: the reduction kernel over this rank's rows alone,
              with the residual add and the RMSNorm (the collective-free step's sites)
   sync       every site `one_shot_lamport_streamed` (all-reduce + add + RMSNorm) over both
@@ -19,13 +20,19 @@ forward, max over ranks, four ways:
              peer's on a side stream, and the other micro-batch's next GEMMs run before the
              site's reduction (kernels/chunk_reduce.py: barrier, sum in rank order + add +
              RMSNorm, barrier). A copy beside a GEMM was 84-98% hidden (bench_overlap).
-Every variant's output is compared with an fp32-accumulated NCCL reference of the same layers
-(relative L2), and its bits across ranks.
+  rs_ag, floor_rs_ag   the whole batch, each site a reduce-scatter and an all-gather by copy
+             engine under the GEMMs beside it, and its floor (launch/row_split.py).
+The rounds run the variants in turns, every other round in reverse order (the clocks drift over
+a run); "/ floor" is the median over rounds of each round's ratio. Every variant's output is
+compared with an fp32-accumulated NCCL reference of the same layers (relative L2), and its bits
+across ranks. --trace writes one forward's kernels and copies per rank; the ranks' replays do
+not start together, so the first barrier of the rank that starts first holds that wait.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -39,9 +46,12 @@ from infini_dist.kernels.symm_call import norm_options
 from infini_dist.launch.arguments import positive_int
 from infini_dist.launch.bench_knobs import bits_agree
 from infini_dist.launch.bench_link import add_probe_arguments, start_probe
+from infini_dist.launch.row_split import NAMES as ROW_SPLITS
+from infini_dist.launch.row_split import RowSplit, attention_core, launch, mlp_core
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, rms_norm
 
 MICROBATCHES = 2
+VARIANTS = ("floor", "floor_microbatched", "sync", "pipelined")
 
 
 def schedule(stages: int, microbatches: int = MICROBATCHES) -> list[tuple[str, int, int]]:
@@ -62,20 +72,12 @@ def schedule(stages: int, microbatches: int = MICROBATCHES) -> list[tuple[str, i
 
 def attention_into(layer, h, out):
     """tp_decoder.Layer.attention (causal prefill) with the o_proj GEMM written into `out`."""
-    b, s, _ = h.shape
-    d, kvh = layer.head_dim, layer.kv_heads
-    q, k, v = F.linear(h, layer.wqkv).split([layer.q_heads * d, kvh * d, kvh * d], dim=-1)
-    q = q.view(b, s, layer.q_heads, d).transpose(1, 2)
-    group = layer.q_heads // kvh
-    k = k.view(b, s, kvh, d).transpose(1, 2).repeat_interleave(group, dim=1)
-    v = v.view(b, s, kvh, d).transpose(1, 2).repeat_interleave(group, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.mm(o.transpose(1, 2).reshape(b * s, -1), layer.wo.t(), out=out)
+    torch.mm(attention_core(layer, F.linear(h, layer.wqkv)), layer.wo.t(), out=out)
 
 
 def mlp_into(layer, h, out):
-    gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-    torch.mm((F.silu(gate) * up).reshape(out.shape[0], -1), layer.w_down.t(), out=out)
+    core = mlp_core(layer, F.linear(h, layer.w_gate_up))
+    torch.mm(core.reshape(out.shape[0], -1), layer.w_down.t(), out=out)
 
 
 def stage_norms(model) -> list:
@@ -115,8 +117,8 @@ class Stages:
         compute_into(self.model, k, self.h[k], self.ys[k])
 
     def site(self, k):
-        for kernel, grid, args, kwargs in self.launch_lists[k]:
-            kernel[grid](*args, **kwargs)
+        for kernel_launch in self.launch_lists[k]:
+            launch(kernel_launch)
 
 
 def reduce_site(buffer, barriers=True):
@@ -224,6 +226,11 @@ def main(argv=None):
     parser.add_argument("--layers", type=positive_int, default=4)
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="interleaved rounds of the variants")
+    parser.add_argument("--variants", type=variant_list, default=VARIANTS + ROW_SPLITS,
+                        help="comma-separated; the floor is always timed")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="also write a profiler trace of one forward of each variant, per "
+                             "rank (Chrome trace JSON)")
     add_probe_arguments(parser, watchdog=300)
     args = parser.parse_args(argv)
     device, timer = start_probe(args)
@@ -235,8 +242,9 @@ def main(argv=None):
     x = torch.randn(MICROBATCHES, args.tokens // MICROBATCHES, cfg.hidden, generator=shared,
                     device=device).to(dtype)
     want = reference(model, x, group).float()
-    variants = {name: Variant(name, model, x, group, device)
-                for name in ("floor", "floor_microbatched", "sync", "pipelined")}
+    variants = {name: Variant(name, model, x, group, device) if name in VARIANTS
+                else RowSplit(name, model, x, stage_norms(model), group, device)
+                for name in args.variants}
     checks = {}
     for name, run in variants.items():
         got = run().float().view(want.shape)
@@ -244,30 +252,68 @@ def main(argv=None):
         error = float((got - want).norm() / want.norm())
         checks[name] = f"rel. L2 {error:.2e}, " + ("same bits" if bits_agree(got)[0]
                                                     else "RANKS DIFFER")
-    pipelined = variants["pipelined"]
+    if "pipelined" in variants:
+        pipelined = variants["pipelined"]
 
-    def barriers_alone():  # the pipelined sites' barrier kernels, in its order, nothing else
-        for step, mb, k in schedule(len(pipelined.parts[0].ys)):
-            if step == "site":
-                for kernel, grid, args_, kwargs in pipelined.parts[mb].launch_lists[k][::2]:
-                    kernel[grid](*args_, **kwargs)
-    variants["pipelined's barriers alone"] = barriers_alone
-    checks["pipelined's barriers alone"] = ""
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
+        def barriers_alone():  # the pipelined sites' barrier kernels, in its order, nothing else
+            for step, mb, k in schedule(len(pipelined.parts[0].ys)):
+                if step == "site":
+                    for kernel_launch in pipelined.parts[mb].launch_lists[k][::2]:
+                        launch(kernel_launch)
+        variants["pipelined's barriers alone"] = barriers_alone
+        checks["pipelined's barriers alone"] = ""
+    if args.trace:
         for name, run in variants.items():
-            times[name].append(timer.graph(run) * 1e3)
+            trace(run, f"{args.trace}/{name.replace(' ', '_')}_rank{dist.get_rank()}.json")
+    times = {name: [] for name in variants}
+    for turn in range(args.rounds):
+        for name in list(variants)[::-1 if turn % 2 else 1]:
+            times[name].append(timer.graph(variants[name]) * 1e3)
     if rank0:
         print(f"{torch.cuda.get_device_name(device)} x {dist.get_world_size()}, "
               f"{args.tokens} tokens ({MICROBATCHES} x {args.tokens // MICROBATCHES}), "
-              f"{args.layers} layers; ms per forward by round, max over ranks")
-        print("| variant | ms (rounds) | median | / floor | check |\n|---|---|---|---|---|")
-        floor = sorted(times["floor"])[len(times["floor"]) // 2]
+              f"{args.layers} layers; ms per forward by round, max over ranks; every other "
+              "round in reverse order")
+        print("| variant | ms (rounds) | median | / floor (median of the rounds' ratios) | "
+              "check |\n|---|---|---|---|---|")
         for name, samples in times.items():
-            median = sorted(samples)[len(samples) // 2]
-            print(f"| {name} | {' / '.join(f'{t:.3f}' for t in samples)} | {median:.3f} | "
-                  f"{median / floor:.3f} | {checks[name]} |", flush=True)
+            ratios = [t / f for t, f in zip(samples, times["floor"])]
+            print(f"| {name} | {' / '.join(f'{t:.3f}' for t in samples)} | {median(samples):.3f} "
+                  f"| {median(ratios):.3f} | {checks[name]} |", flush=True)
     dist.destroy_process_group()
+
+
+def variant_list(text: str) -> tuple:
+    names = tuple(dict.fromkeys(["floor"] + text.split(",")))
+    unknown = [name for name in names if name not in VARIANTS + ROW_SPLITS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; known: "
+                                         f"{', '.join(VARIANTS + ROW_SPLITS)}")
+    return names
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def trace(run, path):
+    """One forward, captured in a CUDA graph and replayed under the profiler, to `path`."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch advises
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        graph.replay()
+        torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    profile.export_chrome_trace(path)
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""launch/bench_microbatch.py on CPU: the pipelined order keeps every micro-batch's own order
-and puts the other micro-batch's work between a stage's copy and its reduction, and the
-GEMM-into-buffer forms of the TP decoder's attention and MLP compute what tp_decoder's do."""
+"""launch/bench_microbatch.py and launch/row_split.py on CPU: the pipelined order keeps every
+micro-batch's own order and puts the other micro-batch's work between a stage's copy and its
+reduction; the GEMM-into-buffer forms of the TP decoder's attention and MLP compute what
+tp_decoder's do; the row split's parts cover every row once, and its forward without
+communication (GEMMs in row parts, the reduction kernel interpreted) gives the floor's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infini_dist.launch import bench_microbatch
+from infini_dist.launch import bench_microbatch, row_split
 from infini_dist.launch.tp_decoder import Layer, ModelConfig
+from multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,3 +46,44 @@ def test_the_gemms_into_a_buffer_compute_the_layers_outputs():
     bench_microbatch.mlp_into(layer, h, mlp)
     torch.testing.assert_close(attention.view(h.shape), layer.attention(h, None, None))
     torch.testing.assert_close(mlp.view(h.shape), layer.mlp(h))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_row_parts_cover_every_row_once_the_peers_first_in_turn(world):
+    rows = 6 * world
+    for rank in range(world):
+        own, others = row_parts = row_split.row_parts(rows, world, rank)
+        covered = sorted(i for part in [own, *others] for i in range(rows)[part])
+        assert covered == list(range(rows))
+        assert own == slice(rank * 6, rank * 6 + 6)
+        # rank r pushes to r + 1 first: at each step every rank sends to a different peer
+        assert [part.start // 6 for part in others] == [(rank + i) % world
+                                                        for i in range(1, world)], row_parts
+
+
+def test_row_parts_refuse_rows_that_do_not_cut():
+    with pytest.raises(ValueError, match="do not cut into 3 parts"):
+        row_split.row_parts(8, 3, 0)
+    with pytest.raises(ValueError, match="none of"):
+        row_split.RowSplit("rs_push", None, None, [], None, "cpu")
+
+
+def _row_split_floor_rank(rank, world_size):
+    import torch.distributed as dist
+    from infini_dist.launch.tp_decoder import Decoder
+    cfg = ModelConfig(layers=2, hidden=64, mlp=96, heads=4, kv_heads=2, context=6)
+    group = dist.group.WORLD
+    model = Decoder(cfg, group, "cpu", torch.float32)
+    x = torch.randn(2, 6, cfg.hidden, generator=torch.Generator().manual_seed(3))
+    floor = bench_microbatch.Variant("floor", model, x, group, "cpu")()
+    split = row_split.RowSplit("floor_rs_ag", model, x, bench_microbatch.stage_norms(model),
+                               group, "cpu")()
+    return floor.reshape(split.shape), split
+
+
+@pytest.mark.timeout(240)
+def test_the_row_split_without_communication_gives_the_floor():
+    for floor, split in run_ranks(_row_split_floor_rank, 2, timeout=220,
+                                  env={"TRITON_INTERPRET": "1"}):
+        assert floor.abs().max() > 0.5  # a real forward, not zeros
+        torch.testing.assert_close(split, floor, rtol=1e-5, atol=1e-5)
