@@ -114,9 +114,8 @@ class Timer:
             rows.append(row)
         return rows
 
-    def graph(self, fn, reset=lambda: None) -> float | None:
-        if not self.cuda:
-            return None
+    def capture(self, fn, calls: int) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of `calls` calls of fn, after an eager call and a warm-up one."""
         fn()  # eager first: lazy setup (rendezvous, compilation) never runs under capture
         self._sync()
         side = torch.cuda.Stream(self.device)
@@ -126,8 +125,14 @@ class Timer:
         torch.cuda.current_stream(self.device).wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
-            for _ in range(self.graph_calls):
+            for _ in range(calls):
                 fn()
+        return cuda_graph
+
+    def graph(self, fn, reset=lambda: None) -> float | None:
+        if not self.cuda:
+            return None
+        cuda_graph = self.capture(fn, self.graph_calls)
         try:
             return self._measure(cuda_graph.replay, reset) / self.graph_calls
         finally:

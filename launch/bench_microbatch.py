@@ -264,7 +264,7 @@ def main(argv=None):
         checks["pipelined's barriers alone"] = ""
     if args.trace:
         for name, run in variants.items():
-            trace(run, f"{args.trace}/{name.replace(' ', '_')}_rank{dist.get_rank()}.json")
+            trace(timer, run, f"{args.trace}/{name.replace(' ', '_')}_rank{dist.get_rank()}.json")
     times = {name: [] for name in variants}
     for turn in range(args.rounds):
         for name in list(variants)[::-1 if turn % 2 else 1]:
@@ -296,15 +296,9 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
-def trace(run, path):
+def trace(timer, run, path):
     """One forward, captured in a CUDA graph and replayed under the profiler, to `path`."""
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch advises
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        run()
+    graph = timer.capture(run, 1)
     graph.replay()
     torch.cuda.synchronize()
     dist.barrier()
