@@ -26,7 +26,8 @@ import triton.language as tl
 from infini_dist.kernels.symm_buffers import slot_elements
 from infini_dist.kernels.symm_chain import fused_arguments, round_to
 from infini_dist.kernels.symm_device import DEFAULT_TUNING, finish, item_range
-from infini_dist.kernels.symm_signal import block_barrier, peer_pointer, world_size_pow2
+from infini_dist.kernels.symm_signal import (block_barrier, peer_pointer, spin_until_set,
+                                             world_size_pow2)
 
 # Its own buffers (matmul_ce_chunks and ce_overlap share them and this protocol): no other
 # protocol's launches touch its slots.
@@ -40,6 +41,20 @@ def chunk_barrier_kernel(signal_table, rank, timeout_ns, WORLD_SIZE: tl.constexp
     """One program: every rank's arrival here (its own, then a kernel boundary, orders what
     comes after it on this rank's stream)."""
     block_barrier(signal_table, rank, 0, timeout_ns, WORLD_SIZE, WS_P2, ON_GPU)
+
+
+@triton.jit(do_not_specialize=["rank", "timeout_ns"])
+def flag_wait_kernel(flags, rank, timeout_ns, WORLD_SIZE: tl.constexpr, WS_P2: tl.constexpr,
+                     ON_GPU: tl.constexpr):
+    """One program: wait until every peer's flag here (flags[source], set to 1 by the source's
+    stream after its copies) is set, then clear them, acquiring what the copies wrote. Half a
+    barrier: the setting side is a stream memory operation, not a kernel (launch/row_split.py's
+    `rs_ag_spin`)."""
+    sources = tl.arange(0, WS_P2)
+    waited = (sources < WORLD_SIZE) & (sources != rank)
+    spin_until_set(flags + sources, waited, timeout_ns, rank, ON_GPU)
+    tl.debug_barrier()
+    tl.atomic_xchg(flags + sources, 0, mask=waited, sem="acquire", scope="sys")
 
 
 @triton.jit(do_not_specialize=["rank"])  # one compiled kernel for every rank
@@ -70,6 +85,14 @@ def barrier_launch(buffer, on_gpu: bool, tuning=DEFAULT_TUNING) -> tuple:
     return (chunk_barrier_kernel, (1,), (buffer.signal_table, buffer.rank, tuning.timeout_ns),
             dict(WORLD_SIZE=buffer.world_size, WS_P2=world_size_pow2(buffer.world_size),
                  ON_GPU=on_gpu, num_warps=1))
+
+
+def flag_wait_launch(flags, rank: int, world_size: int, tuning=DEFAULT_TUNING) -> tuple:
+    """(kernel, grid, args, kwargs): wait for, and clear, the int32 flags[source] of every
+    source rank but `rank`."""
+    return (flag_wait_kernel, (1,), (flags, rank, tuning.timeout_ns),
+            dict(WORLD_SIZE=world_size, WS_P2=world_size_pow2(world_size), ON_GPU=flags.is_cuda,
+                 num_warps=1))
 
 
 def chunk_reduce_launches(y, buffer, out, chunks: list[tuple[int, int]], *,

@@ -12,6 +12,11 @@ as graph nodes (the fork and join of a captured side stream, a memcpy node), as 
 calls would.
 
 `Driver` is built once per process (`driver()`); `None` where there is no libcuda.
+
+`write_value` (cuStreamWriteValue32, a stream memory operation) lets a stream itself set a
+32-bit flag, a peer's included, once its earlier work is done; under capture it is a memop
+node. launch/row_split.py's `rs_ag_spin` signals with it after its copies, in place of a
+barrier kernel on the copy stream (session 31).
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class Driver:
         self._record = library.cuEventRecord
         self._wait = library.cuStreamWaitEvent
         self._copy = library.cuMemcpyDtoDAsync_v2
+        # looked up apart: a test's stand-in library need not have it
+        self._write_value = getattr(library, "cuStreamWriteValue32_v2", None)
+        if isinstance(self._write_value, ctypes._CFuncPtr):
+            self._write_value.argtypes = (handle, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+            self._write_value.restype = ctypes.c_int
 
     @staticmethod
     def _check(result: int, what: str) -> None:
@@ -59,6 +69,11 @@ class Driver:
 
     def copy(self, destination: int, source: int, nbytes: int, stream: int) -> None:
         self._check(self._copy(destination, source, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def write_value(self, stream: int, address: int, value: int) -> None:
+        """Once the stream's earlier work is done and visible, the int32 at `address` (any
+        device's, where this one can reach it) becomes `value`."""
+        self._check(self._write_value(stream, address, value, 0), "cuStreamWriteValue32")
 
 
 @functools.cache

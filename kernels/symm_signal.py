@@ -41,6 +41,20 @@ def _trap(anchor):
 
 
 @triton.jit
+def spin_until_set(flags, mask, timeout_ns, anchor, ON_GPU: tl.constexpr):
+    """Loads the int32 `flags` (where `mask`) until none of them is zero; on the GPU, traps
+    past `timeout_ns`."""
+    seen = tl.load(flags, mask=mask, other=1, volatile=True)
+    if ON_GPU:
+        started = _globaltimer(anchor)
+    while tl.min(seen, 0) == 0:
+        if ON_GPU:
+            if _globaltimer(anchor) - started > timeout_ns:
+                _trap(anchor)
+        seen = tl.load(flags, mask=mask, other=1, volatile=True)
+
+
+@triton.jit
 def block_barrier(signal_table, rank, slot, timeout_ns, WORLD_SIZE: tl.constexpr,
                   WS_P2: tl.constexpr, ON_GPU: tl.constexpr):
     """Program `slot` of every rank arrives here before any of them goes on. Writes made before
@@ -53,14 +67,7 @@ def block_barrier(signal_table, rank, slot, timeout_ns, WORLD_SIZE: tl.constexpr
     remote = tl.load(signal_table + peers, mask=valid, other=0).to(tl.pointer_type(tl.int32))
     tl.atomic_add(remote + first_flag + rank, 1, mask=valid, sem="release", scope="sys")
     mine = tl.load(signal_table + rank).to(tl.pointer_type(tl.int32)) + first_flag + peers
-    arrived = tl.load(mine, mask=valid, other=1, volatile=True)
-    if ON_GPU:
-        started = _globaltimer(rank)
-    while tl.min(arrived, 0) == 0:
-        if ON_GPU:
-            if _globaltimer(rank) - started > timeout_ns:
-                _trap(rank)
-        arrived = tl.load(mine, mask=valid, other=1, volatile=True)
+    spin_until_set(mine, valid, timeout_ns, rank, ON_GPU)
     # Each warp spins on its own copy of the flags; none may still be spinning when they are
     # decremented, or it could read the decremented zero and spin forever.
     tl.debug_barrier()

@@ -8,7 +8,7 @@ prefill ≤ 1.05× the collective-free step; #27's forward sites).
 
 A prefill of two sequences of tokens / 2 through `launch/tp_decoder.py`'s layers (Llama-3-8B
 widths, random weights, bf16), forward only, the whole forward in one CUDA graph, ms per
-forward, max over ranks, six ways:
+forward, max over ranks, seven ways:
   floor      every site's all_reduce a no-op: the reduction kernel over this rank's rows alone,
              with the residual add and the RMSNorm (the collective-free step's sites)
   sync       every site `one_shot_lamport_streamed` (all-reduce + add + RMSNorm) over both
@@ -22,6 +22,7 @@ forward, max over ranks, six ways:
              RMSNorm, barrier). A copy beside a GEMM was 84-98% hidden (bench_overlap).
   rs_ag, floor_rs_ag   the whole batch, each site a reduce-scatter and an all-gather by copy
              engine under the GEMMs beside it, and its floor (launch/row_split.py).
+  rs_ag_spin the same, each barrier replaced by flags the copy stream sets and a kernel polls.
 The rounds run the variants in turns, every other round in reverse order (the clocks drift over
 a run); "/ floor" is the median over rounds of each round's ratio. Every variant's output is
 compared with an fp32-accumulated NCCL reference of the same layers (relative L2), and its bits

@@ -19,6 +19,16 @@ the same GEMM parts, and the floor's reduction (this rank's values alone) over e
 
 Every site has buffers of its own, so no barrier closes a site: a rank rewrites a peer's slot of
 site k only in a later forward, after barriers that the peer passed after reading it.
+
+`rs_ag_spin` is `rs_ag` with each barrier kernel replaced by half a barrier: after its copies
+the copy stream sets a flag in every peer by a stream memory operation (kernels/cuda_driver.py,
+cuStreamWriteValue32), and the compute stream waits for the peers' flags with a one-program
+kernel right before the reduction or the consumer's other rows (chunk_reduce.flag_wait_launch),
+which clears them. No barrier kernel, and the copy stream joins the forward once, at its end
+(session 31: the join and the barrier kernel on the copy stream cost 6-16 µs a site; a stream's
+own wait, cuStreamWaitValue32, cost about 7 µs even with its flag already set). The flags are
+per site, phase and source; a flag is set again only in the next forward, after its reader
+cleared it (the same argument as the buffers').
 """
 
 from __future__ import annotations
@@ -27,14 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from infini_dist.kernels import symm_buffers
+from infini_dist.kernels import cuda_driver, symm_buffers
 from infini_dist.kernels.chunk_reduce import (barrier_launch, chunk_reduce_bytes,
-                                               chunk_reduce_launches)
+                                               chunk_reduce_launches, flag_wait_launch)
 from infini_dist.kernels.symm_buffers import slot_elements
 from infini_dist.kernels.symm_call import norm_options
 from infini_dist.launch.tp_decoder import rms_norm
 
-NAMES = ("floor_rs_ag", "rs_ag")
+NAMES = ("floor_rs_ag", "rs_ag", "rs_ag_spin")
 
 
 def row_parts(rows: int, world: int, rank: int) -> tuple[slice, list[slice]]:
@@ -86,6 +96,7 @@ class RowSplit:
         self.model, self.x = model, x
         self.communicate = not name.startswith("floor")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.flags = Flags(group, device, len(norms)) if name == "rs_ag_spin" else None
         rows, hidden = x.shape[0] * x.shape[1], x.shape[2]
         self.own, self.others = row_parts(rows, world, rank)
         n = rows // world
@@ -132,7 +143,7 @@ class RowSplit:
             stage["scattered"], stage["reduce"] = launches[:2]  # not the closing barrier
             residual = pre
             self.stages.append(stage)
-        self.gathered = None  # the last gather's event, which the next consumer waits for
+        self.gathered = None  # the last gather (its event, or with flags its stage)
 
     def _consumer(self, k, h):
         """Stage k's first GEMM, this rank's rows first, then the core between the GEMMs (over
@@ -141,7 +152,7 @@ class RowSplit:
         mid, layer = self.mids[k], self.model.layers[k // 2]
         torch.mm(h[self.own], weight.t(), out=mid[self.own])
         if self.gathered is not None:  # the peers' rows of h
-            torch.cuda.current_stream().wait_event(self.gathered)
+            self._wait_gathered()
         for rows in self.others:
             torch.mm(h[rows], weight.t(), out=mid[rows])
         return core(layer, mid.view(*self.x.shape[:2], -1) if k % 2 == 0 else mid)
@@ -161,9 +172,15 @@ class RowSplit:
             with torch.cuda.stream(self.copy_stream):
                 target.copy_(part)
         with torch.cuda.stream(self.copy_stream):
-            launch(stage["scattered"])
+            if self.flags:
+                self.flags.signal(k, 0)
+            else:
+                launch(stage["scattered"])
         torch.mm(core[self.own], weight.t(), out=stage["y"])
-        caller.wait_stream(self.copy_stream)
+        if self.flags:
+            self.flags.wait(k, 0)
+        else:
+            caller.wait_stream(self.copy_stream)
 
     def _gather(self, k):
         stage = self.stages[k]
@@ -171,8 +188,18 @@ class RowSplit:
         with torch.cuda.stream(self.copy_stream):
             for target in stage["gathers"]:
                 target.copy_(stage["h"][self.own])
-            launch(stage["gathered"])
-            self.gathered = self.copy_stream.record_event()
+            if self.flags:
+                self.flags.signal(k, 1)
+                self.gathered = k
+            else:
+                launch(stage["gathered"])
+                self.gathered = self.copy_stream.record_event()
+
+    def _wait_gathered(self):
+        if self.flags:
+            self.flags.wait(self.gathered, 1)
+        else:
+            torch.cuda.current_stream().wait_event(self.gathered)
 
     def __call__(self):
         self.gathered = None
@@ -186,8 +213,46 @@ class RowSplit:
             if self.communicate:
                 self._gather(k)
         if self.gathered is not None:
-            torch.cuda.current_stream().wait_event(self.gathered)
+            self._wait_gathered()
+        if self.flags:  # the copy stream's work joins the forward once, at its end
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
         return h
+
+
+class Flags:
+    """One int32 per (stage, phase: 0 the scatter, 1 the gather, source rank) in every rank's
+    symmetric buffer, set to 1 by the source's copy stream after its copies and cleared by this
+    rank's compute stream once seen."""
+
+    def __init__(self, group, device, stages):
+        self.driver = cuda_driver.driver()
+        if self.driver is None:
+            raise RuntimeError("row split: rs_ag_spin needs libcuda")
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        count = stages * 2 * self.world
+        buffer = symm_buffers.get_buffer(group, device, "row_split_flags", count * 4)
+        views = [symm_buffers.data_view(buffer, r, torch.int32, 0, count)
+                 for r in range(self.world)]
+        views[self.rank].zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's flags clear before any peer sets one
+        self.bases = [v.data_ptr() for v in views]
+        self.mine = views[self.rank]
+
+    def _address(self, rank, k, phase, source):
+        return self.bases[rank] + 4 * ((k * 2 + phase) * self.world + source)
+
+    def signal(self, k, phase):
+        """On the current stream (the copy stream): set this rank's flag in every peer."""
+        stream = torch.cuda.current_stream().cuda_stream
+        for i in range(1, self.world):
+            peer = (self.rank + i) % self.world
+            self.driver.write_value(stream, self._address(peer, k, phase, self.rank), 1)
+
+    def wait(self, k, phase):
+        """On the current stream: wait for every peer's flag here, then clear it."""
+        first = (k * 2 + phase) * self.world
+        launch(flag_wait_launch(self.mine[first:first + self.world], self.rank, self.world))
 
 
 def launch(kernel_launch):

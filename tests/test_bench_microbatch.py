@@ -2,7 +2,8 @@
 micro-batch's own order and puts the other micro-batch's work between a stage's copy and its
 reduction; the GEMM-into-buffer forms of the TP decoder's attention and MLP compute what
 tp_decoder's do; the row split's parts cover every row once, and its forward without
-communication (GEMMs in row parts, the reduction kernel interpreted) gives the floor's."""
+communication (GEMMs in row parts, the reduction kernel interpreted) gives the floor's;
+`rs_ag_spin`'s half barrier: the flag wait kernel (interpreted) and the driver's flag write."""
 
 from __future__ import annotations
 
@@ -87,3 +88,39 @@ def test_the_row_split_without_communication_gives_the_floor():
                                   env={"TRITON_INTERPRET": "1"}):
         assert floor.abs().max() > 0.5  # a real forward, not zeros
         torch.testing.assert_close(split, floor, rtol=1e-5, atol=1e-5)
+
+
+def _flag_wait_rank(rank, world_size):
+    from infini_dist.kernels.chunk_reduce import flag_wait_launch
+    flags = torch.tensor([1, 7, 1, 1], dtype=torch.int32)  # rank 1's own entry is never read
+    row_split.launch(flag_wait_launch(flags, 1, 4))
+    return flags
+
+
+@pytest.mark.timeout(120)
+def test_the_flag_wait_clears_the_peers_flags_alone():
+    # a wait that read its own entry, or none, would leave a 1; one that cleared it, a 0
+    (flags,) = run_ranks(_flag_wait_rank, 1, timeout=100, env={"TRITON_INTERPRET": "1"})
+    assert flags.tolist() == [0, 7, 0, 0]
+
+
+def test_the_driver_sets_a_flag_after_the_streams_work():
+    from infini_dist.kernels.cuda_driver import Driver, DriverError
+
+    class Library:
+        calls = []
+
+        def cuEventRecord(self, *args):
+            return 0
+        cuStreamWaitEvent = cuMemcpyDtoDAsync_v2 = cuEventRecord
+
+        def cuStreamWriteValue32_v2(self, *args):
+            self.calls.append(args)
+            return 0 if args[1] else 1  # CUDA_ERROR_INVALID_VALUE for a null address
+
+    library = Library()
+    Driver(library).write_value(5, 0x1000, 1)
+    # default flags: the write waits for the stream's earlier work and its memory
+    assert library.calls == [(5, 0x1000, 1, 0)]
+    with pytest.raises(DriverError, match="cuStreamWriteValue32 failed with CUDA driver error 1"):
+        Driver(library).write_value(5, 0, 1)
