@@ -16,6 +16,13 @@ def isolated_cache(tmp_path, monkeypatch):
     DECISIONS.clear()
 
 
+def pytest_configure(config):
+    # Interpreted kernels run here too (a test that sets TRITON_INTERPRET itself); rank and pool
+    # processes install it on their own (multirank.py, interpreter_worker.py).
+    from interpreter_patches import skip_nested_language_patches
+    skip_nested_language_patches()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
