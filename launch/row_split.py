@@ -143,7 +143,7 @@ class RowSplit:
             stage["scattered"], stage["reduce"] = launches[:2]  # not the closing barrier
             residual = pre
             self.stages.append(stage)
-        self.gathered = None  # the last gather (its event, or with flags its stage)
+        self.gathered = None  # waits for the last gather's rows: what the next consumer calls
 
     def _consumer(self, k, h):
         """Stage k's first GEMM, this rank's rows first, then the core between the GEMMs (over
@@ -152,7 +152,7 @@ class RowSplit:
         mid, layer = self.mids[k], self.model.layers[k // 2]
         torch.mm(h[self.own], weight.t(), out=mid[self.own])
         if self.gathered is not None:  # the peers' rows of h
-            self._wait_gathered()
+            self.gathered()
         for rows in self.others:
             torch.mm(h[rows], weight.t(), out=mid[rows])
         return core(layer, mid.view(*self.x.shape[:2], -1) if k % 2 == 0 else mid)
@@ -190,16 +190,11 @@ class RowSplit:
                 target.copy_(stage["h"][self.own])
             if self.flags:
                 self.flags.signal(k, 1)
-                self.gathered = k
+                self.gathered = lambda: self.flags.wait(k, 1)
             else:
                 launch(stage["gathered"])
-                self.gathered = self.copy_stream.record_event()
-
-    def _wait_gathered(self):
-        if self.flags:
-            self.flags.wait(self.gathered, 1)
-        else:
-            torch.cuda.current_stream().wait_event(self.gathered)
+                event = self.copy_stream.record_event()
+                self.gathered = lambda: torch.cuda.current_stream().wait_event(event)
 
     def __call__(self):
         self.gathered = None
@@ -213,7 +208,7 @@ class RowSplit:
             if self.communicate:
                 self._gather(k)
         if self.gathered is not None:
-            self._wait_gathered()
+            self.gathered()
         if self.flags:  # the copy stream's work joins the forward once, at its end
             torch.cuda.current_stream().wait_stream(self.copy_stream)
         return h
@@ -239,8 +234,12 @@ class Flags:
         self.bases = [v.data_ptr() for v in views]
         self.mine = views[self.rank]
 
+    def _first(self, k, phase):
+        """Where (stage k, phase)'s flags start, one per source rank."""
+        return (k * 2 + phase) * self.world
+
     def _address(self, rank, k, phase, source):
-        return self.bases[rank] + 4 * ((k * 2 + phase) * self.world + source)
+        return self.bases[rank] + 4 * (self._first(k, phase) + source)
 
     def signal(self, k, phase):
         """On the current stream (the copy stream): set this rank's flag in every peer."""
@@ -251,7 +250,7 @@ class Flags:
 
     def wait(self, k, phase):
         """On the current stream: wait for every peer's flag here, then clear it."""
-        first = (k * 2 + phase) * self.world
+        first = self._first(k, phase)
         launch(flag_wait_launch(self.mine[first:first + self.world], self.rank, self.world))
 
 

@@ -4,6 +4,7 @@ each language module is patched once per launch."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,7 @@ print(installed, np.allclose(out.numpy(), want, rtol=1e-5, atol=1e-5), sum(patch
 def _run(mode):
     done = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent), mode],
                           capture_output=True, text=True, timeout=100,
-                          env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     installed, right, patches = done.stdout.split()
     return installed == "True", right == "True", int(patches)
