@@ -107,6 +107,10 @@ FLAGS = {
     # GPUs: on, every row-parallel projection joins its site, which changes the sites of every
     # compiled model and what tuning them costs.
     "matmul_prologue": (False, check_bool),
+    # With matmul_prologue: consecutive prefill sites whose residual runs from one to the next
+    # become one row-split chain (compile/chain_match.py), which runs site by site or with each
+    # all-reduce split under the GEMMs beside it, as timing the two in lockstep decides.
+    "row_split": (True, check_bool),
     # The compile pass makes sites in backward graphs too. False leaves a backward graph's
     # collectives to Inductor: its compute/communication overlap (reorder_for_compute_comm_
     # overlap) can then issue each all_reduce early and wait for it after the weight-gradient

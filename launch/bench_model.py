@@ -175,6 +175,7 @@ class Bench:
         from infini_dist.scheduler.native_inductor import epilogues_compiled
         row = {"variant": variant}
         sites, pass_graphs = idc.stats["sites"], idc.stats["graphs"]
+        chains = len(idc.chain_decisions())
         floor_counts = self.floor.counts()
         graphs = counters["stats"]["unique_graphs"] - epilogues_compiled()
         begin, error = time.perf_counter(), None
@@ -197,6 +198,7 @@ class Bench:
             row["sites"] = idc.stats["sites"] - sites
             row["pass_graphs"] = idc.stats["graphs"] - pass_graphs
             row["decisions"] = summarize(idc.decisions())
+            row["chains"] = idc.chain_decisions()[chains:]
         if variant == FLOOR:  # what this shape's compile replaced: left max, removed min over ranks
             row["floor"] = True  # a reference to time against, not an output to check
             counts = self.floor.counts()

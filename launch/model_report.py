@@ -200,6 +200,21 @@ def print_details(rows):
                                                                     key=lambda kv: kv[1]))
                 print(f"  {d['site']}: committed {d['choice']} ({d['source']})"
                       + (f"; us: {times}" if times else ""))
+            for chain in row.get("chains", []):
+                print("  " + chain_line(chain))
+
+
+def chain_line(chain: dict) -> str:
+    """A row-split chain's decision (infini_dist.compile.chain_decisions()), in one line."""
+    if "totals_s" not in chain:
+        return (f"row-split chain of {chain.get('sites')} sites: {chain.get('mode')} "
+                f"({chain.get('reason', 'not decided')})")
+    totals = chain["totals_s"]
+    units = "; ".join(f"site {u['site']} x{u['count']}: " + ", ".join(
+        f"{n} {t * 1e6:.1f}" for n, t in u["times_s"].items()) for u in chain["units"])
+    return (f"row-split chain of {chain['sites']} sites at {chain['rows']} rows: committed "
+            f"{chain['mode']} (split {totals['split'] * 1e6:.1f} us against site by site "
+            f"{totals['sites'] * 1e6:.1f} us; {units})")
 
 
 def plot(rows, shapes, path, title: str = "TP decoder step latency") -> bool:

@@ -37,24 +37,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from infini_dist.kernels import cuda_driver, symm_buffers
+from infini_dist.kernels import symm_buffers
 from infini_dist.kernels.chunk_reduce import (barrier_launch, chunk_reduce_bytes,
-                                               chunk_reduce_launches, flag_wait_launch)
+                                               chunk_reduce_launches)
 from infini_dist.kernels.symm_buffers import slot_elements
 from infini_dist.kernels.symm_call import norm_options
+from infini_dist.kernels.symm_device import DEFAULT_TUNING
 from infini_dist.launch.tp_decoder import rms_norm
+from infini_dist.scheduler.split_site import Flags, launch, row_parts
 
 NAMES = ("floor_rs_ag", "rs_ag", "rs_ag_spin")
-
-
-def row_parts(rows: int, world: int, rank: int) -> tuple[slice, list[slice]]:
-    """(this rank's rows, the other ranks' rows in the order a producer computes them: rank + 1,
-    rank + 2, ..., so that no two ranks push to the same peer at once)."""
-    if rows % world:
-        raise ValueError(f"row split: {rows} rows do not cut into {world} parts")
-    n = rows // world
-    parts = [slice(p * n, (p + 1) * n) for p in range(world)]
-    return parts[rank], [parts[(rank + i) % world] for i in range(1, world)]
 
 
 def attention_core(layer, qkv):
@@ -96,7 +88,8 @@ class RowSplit:
         self.model, self.x = model, x
         self.communicate = not name.startswith("floor")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.flags = Flags(group, device, len(norms)) if name == "rs_ag_spin" else None
+        self.flags = (Flags(group, device, len(norms), None, DEFAULT_TUNING)
+                      if name == "rs_ag_spin" else None)
         rows, hidden = x.shape[0] * x.shape[1], x.shape[2]
         self.own, self.others = row_parts(rows, world, rank)
         n = rows // world
@@ -212,48 +205,3 @@ class RowSplit:
         if self.flags:  # the copy stream's work joins the forward once, at its end
             torch.cuda.current_stream().wait_stream(self.copy_stream)
         return h
-
-
-class Flags:
-    """One int32 per (stage, phase: 0 the scatter, 1 the gather, source rank) in every rank's
-    symmetric buffer, set to 1 by the source's copy stream after its copies and cleared by this
-    rank's compute stream once seen."""
-
-    def __init__(self, group, device, stages):
-        self.driver = cuda_driver.driver()
-        if self.driver is None:
-            raise RuntimeError("row split: rs_ag_spin needs libcuda")
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        count = stages * 2 * self.world
-        buffer = symm_buffers.get_buffer(group, device, "row_split_flags", count * 4)
-        views = [symm_buffers.data_view(buffer, r, torch.int32, 0, count)
-                 for r in range(self.world)]
-        views[self.rank].zero_()
-        torch.cuda.synchronize(device)
-        dist.barrier(group)  # every rank's flags clear before any peer sets one
-        self.bases = [v.data_ptr() for v in views]
-        self.mine = views[self.rank]
-
-    def _first(self, k, phase):
-        """Where (stage k, phase)'s flags start, one per source rank."""
-        return (k * 2 + phase) * self.world
-
-    def _address(self, rank, k, phase, source):
-        return self.bases[rank] + 4 * (self._first(k, phase) + source)
-
-    def signal(self, k, phase):
-        """On the current stream (the copy stream): set this rank's flag in every peer."""
-        stream = torch.cuda.current_stream().cuda_stream
-        for i in range(1, self.world):
-            peer = (self.rank + i) % self.world
-            self.driver.write_value(stream, self._address(peer, k, phase, self.rank), 1)
-
-    def wait(self, k, phase):
-        """On the current stream: wait for every peer's flag here, then clear it."""
-        first = self._first(k, phase)
-        launch(flag_wait_launch(self.mine[first:first + self.world], self.rank, self.world))
-
-
-def launch(kernel_launch):
-    kernel, grid, args, kwargs = kernel_launch
-    kernel[grid](*args, **kwargs)

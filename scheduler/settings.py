@@ -16,6 +16,7 @@ class Settings:
     enable_recursive_fusion: bool
     max_fusion_depth: int
     matmul_prologue: bool
+    row_split: bool
     backward_sites: bool
     fusion_speedup_threshold: float
     max_autotune_threads: int

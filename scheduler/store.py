@@ -36,6 +36,10 @@ class DecisionStore:
         self.version = 0  # bumped at every commit: readers recompute only when it moved
         self.static_texts: set[str] = set()  # compiled sites whose every dim is a plain int
         self.entries: dict = {}  # eager op name or compiled site text -> Entry
+        self.chains: dict = {}  # (row-split chain text, settings) -> split_chain.ChainRunner
+        # (site text, rows) of the sites of chains committed to the row split: the pass writes
+        # them again as sites, whatever the site alone decided, so that the chain forms again.
+        self.split_sites: set = set()
         # Tuned records by cache key, in memory (disk: cache.py), with hit and miss counts.
         self.records = DecisionCache()
         # Test hook: transforms this rank's medians before they are shared (timing noise,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from infini_dist.launch import bench_microbatch, row_split
+from infini_dist.scheduler import split_site
 from infini_dist.launch.tp_decoder import Layer, ModelConfig
 from multirank import run_ranks
 
@@ -53,7 +54,7 @@ def test_the_gemms_into_a_buffer_compute_the_layers_outputs():
 def test_row_parts_cover_every_row_once_the_peers_first_in_turn(world):
     rows = 6 * world
     for rank in range(world):
-        own, others = row_parts = row_split.row_parts(rows, world, rank)
+        own, others = row_parts = split_site.row_parts(rows, world, rank)
         covered = sorted(i for part in [own, *others] for i in range(rows)[part])
         assert covered == list(range(rows))
         assert own == slice(rank * 6, rank * 6 + 6)
@@ -64,7 +65,7 @@ def test_row_parts_cover_every_row_once_the_peers_first_in_turn(world):
 
 def test_row_parts_refuse_rows_that_do_not_cut():
     with pytest.raises(ValueError, match="do not cut into 3 parts"):
-        row_split.row_parts(8, 3, 0)
+        split_site.row_parts(8, 3, 0)
     with pytest.raises(ValueError, match="none of"):
         row_split.RowSplit("rs_push", None, None, [], None, "cpu")
 

@@ -22,6 +22,7 @@ import traceback
 import pytest
 import torch
 
+from hf_llama import save_llama
 from multirank import run_ranks
 
 pytestmark = pytest.mark.multigpu
@@ -224,18 +225,10 @@ def _rank(rank, world_size, llama_path):
     return report
 
 
-def _save_llama(path):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
-                      num_key_value_heads=4, num_hidden_layers=2, vocab_size=2048,
-                      max_position_embeddings=256)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-
-
 def test_compile_modes_with_the_pass_from_the_first_call(tmp_path):
-    path = str(tmp_path / "llama")
-    _save_llama(path)
+    path = save_llama(str(tmp_path / "llama"), jitter_norms=False, hidden_size=1024,
+                      intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4,
+                      num_hidden_layers=2, vocab_size=2048, max_position_embeddings=256)
     reports = run_ranks(_rank, 2, path, timeout=280, backend="nccl")
     for rank, report in enumerate(reports):
         print(f"rank {rank}: {report}")

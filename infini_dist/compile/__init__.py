@@ -11,11 +11,14 @@ all_reduce (or registered user op, matched by its 'ns::op' name) and the ops aro
 graph is compiled: `enable_custom_op_fusion` (off: graphs untouched), `custom_op_fusion_types`
 ('prologue', 'epilogue', 'cross_subgraph'), `max_fusion_depth` (IR ops captured per chain),
 `matmul_prologue` (the mm / addmm / linear feeding an all_reduce joins its site; off by
-default), `backward_sites` (off: backward graphs' collectives stay Inductor's). They are part
+default), `row_split` (with matmul_prologue, prefill sites join into row-split chains:
+compile/chain_match.py), `backward_sites` (off: backward graphs' collectives stay Inductor's).
+They are part
 of the pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo does not
 know them, so call torch._dynamo.reset() after changing them in a running process.
-`decisions()` lists what the compiled sites committed. What the pass did: `stats` ("graphs",
-"sites", "native_sites" in this process), `last_sites` (the latest graph's site texts), and
+`decisions()` lists what the compiled sites committed, `chain_decisions()` what each row-split
+chain committed. What the pass did: `stats` ("graphs", "sites", "native_sites", "chains" in this
+process), `last_sites` (the latest graph's site texts), and
 
     with infini_dist.compile.recording() as graphs:   # a GraphRecord per graph the pass runs on
         model(x).sum().backward()                      # graphs[i].kind, .collectives, .sites
@@ -34,9 +37,11 @@ from infini_dist.compile.backend import BACKEND_NAME, register as _register_back
 from infini_dist.compile.passes import FUSION_PASS, FusionPass, GraphRecord, fuse_sites
 from infini_dist.compile.recompile import recompiles, recompiling
 from infini_dist.compile.runtime_op import decisions
+from infini_dist.scheduler.split_chain import chain_decisions
 
 __all__ = ["enable", "disable", "inductor_options", "compile_model", "FusionPass", "fuse_sites",
-           "decisions", "recording", "GraphRecord", "stats", "last_sites", "recompiles",
+           "decisions", "chain_decisions", "recording", "GraphRecord", "stats", "last_sites",
+           "recompiles",
            "BACKEND_NAME"]
 
 _register_backend()

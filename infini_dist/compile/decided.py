@@ -61,9 +61,22 @@ def written(forms: list, settings: Settings) -> tuple[int, bool]:
     of its collective alone. The whole site is written unless it was decided to fuse nothing
     (native, or a collective of ours with every other op of the site run in eager torch); then
     its collective alone, whose own decision counts."""
+    if _split_owned(*forms[0]):
+        return 0, False
     choice = known_choice(*forms[0], settings)
     index = 0
     if choice is not None and choice.fuses_nothing and len(forms) > 1:
         index = 1
         choice = known_choice(*forms[1], settings)
     return index, choice is not None and choice.name == NATIVE
+
+
+def _split_owned(text: str, inputs: list) -> bool:
+    """Whether site `text` (inputs x, w, residual, norm weight) belongs to a row-split chain
+    committed at these rows (scheduler/split_chain.py): its own decision does not count."""
+    if not STORE.split_sites or len(inputs) != 4:
+        return False
+    residual = _example(inputs[2])
+    if residual is None or residual.dim() == 0:
+        return False
+    return (text, residual.numel() // residual.shape[-1]) in STORE.split_sites

@@ -34,7 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import infini_dist
 import infini_dist.kernels.epilogue
-from infini_dist.compile import all_reduce_match, anchors, decided, matching
+from infini_dist.compile import all_reduce_match, anchors, chain_match, decided, matching
 from infini_dist.compile import scatter_gather_match
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, algorithms_for
@@ -54,7 +54,7 @@ _KINDS = {op_type: kind for kind in (all_reduce_match, scatter_gather_match)
 _COLLECTIVE_NAMESPACES = ("_c10d_functional.", "symm_mem.")
 
 _UUID_FLAGS = ("enable_custom_op_fusion", "custom_op_fusion_types", "enable_recursive_fusion",
-               "max_fusion_depth", "matmul_prologue", "backward_sites")
+               "max_fusion_depth", "matmul_prologue", "row_split", "backward_sites")
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +64,8 @@ def _source_hash() -> str:
     scheduler = Path(infini_dist.scheduler.ir.__file__).parent
     h = hashlib.sha256()
     specs = Path(infini_dist.kernels.epilogue.__file__).parent  # the ops' FX spellings
-    ours = [scheduler / name for name in ("ir.py", "boundary.py", "op_registry.py")]
+    ours = [scheduler / name for name in ("ir.py", "boundary.py", "op_registry.py",
+                                          "split_chain.py")]
     for path in sorted(package.glob("*.py")) + ours + sorted(specs.glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
@@ -191,11 +192,16 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
             continue
         _replace(graph, site, index, text, inputs, outputs)
         replaced.append(text)
+    chains = chain_match.rewrite_chains(graph) if (settings.matmul_prologue
+                                                   and settings.row_split) else []
     if replaced:
         graph.lint()
         log.info("infini_dist: %d deferred-choice site(s) in a graph: %s", len(replaced),
                  "; ".join(_summary(t) for t in replaced))
-    return GraphRecord(kind, collectives, tuple(replaced), native)
+    if chains:
+        log.info("infini_dist: %d row-split chain(s) of %s site(s)", len(chains),
+                 ", ".join(str(chain_match.length(t)) for t in chains))
+    return GraphRecord(kind, collectives, tuple(replaced), native, tuple(chains))
 
 
 def _no_algorithm_of_ours(anchor: anchors.FxOp) -> bool:
@@ -248,12 +254,14 @@ def _summary(text: str) -> str:
 class GraphRecord:
     """One graph the pass ran on: "forward" or "backward", the collectives it held before the
     pass ("all_reduce", "reduce_scatter", ...), the SubGraph text of each site written, and how
-    many sites were left as Inductor's code, decided native (compile/decided.py)."""
+    many sites were left as Inductor's code, decided native (compile/decided.py), and the
+    row-split chains made of its sites."""
 
     kind: str
     collectives: tuple[str, ...]
     sites: tuple[str, ...]
     native_sites: int = 0
+    chains: tuple[str, ...] = ()  # the row-split chains' texts (compile/chain_match.py)
 
     def site_ops(self) -> list[list[str]]:
         """Each site's IR op types, in order."""
@@ -278,6 +286,7 @@ class PassLog:
         self.stats["graphs"] += 1
         self.stats["sites"] += len(record.sites)
         self.stats["native_sites"] += record.native_sites
+        self.stats["chains"] += len(record.chains)
         self.last_sites = list(record.sites)  # a new list: copies taken earlier stay as they were
         for graphs in self._open:
             graphs.append(record)
