@@ -108,10 +108,15 @@ class ChainRunner:
         self.copy_stream = None
 
     # ---- the ops --------------------------------------------------------------------------
-    def site(self, index: int, inputs: list) -> list:
-        """Site `index` from [x, w, residual, norm weight]: [norm output, new residual]."""
+    def splits(self, index: int, inputs: list) -> bool:
+        """Whether site `index` runs split; site 0's first call outside a capture decides."""
         if index == 0 and self.mode is None:
             self._decide(inputs)
+        return self.mode == SPLIT
+
+    def site(self, index: int, inputs: list) -> list:
+        """Site `index` from [x, w, residual, norm weight]: [norm output, new residual], in the
+        mode `splits` gave (site by site: through the engine's executor of the site)."""
         spec, (x, weight, residual, norm_weight) = self.sites[index], inputs
         if self.mode != SPLIT:
             executor = site_executor(spec.site, self.settings)

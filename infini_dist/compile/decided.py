@@ -12,7 +12,9 @@ step: torch._dynamo.reset() and compile again), the pass
   - leaves a site decided native as Inductor's own code,
   - replaces only the collective of a site decided native or bare, if the site has chains: that
     bare site decides at run time (our all-reduce or NCCL) and its chains are Inductor's. Decided
-    native too, it is left to Inductor at the next compile.
+    native too, it is left to Inductor at the next compile,
+  - but writes a site of a row-split chain that committed the split (scheduler/split_chain.py)
+    as a site again, whatever it decided alone, so that the chain forms again.
 
 Only this process's decisions count: they were agreed across each site's group, so every rank
 compiles the same graph (a decision-cache file may exist on one host only, and ranks compiling

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 import infini_dist
-from infini_dist.compile.runtime_op import evaluate_shapes
+from infini_dist.compile.runtime_op import evaluate_shapes, fused_site
 from infini_dist.scheduler.ir import subgraph_from_text
 from infini_dist.scheduler.split_chain import chain_runner, parse_chain
 
@@ -24,7 +24,10 @@ SITE_OP, READ_OP = "infini_dist::split_site", "infini_dist::split_read"
 
 
 def split_site(inputs: list[torch.Tensor], chain: str, index: int) -> list[torch.Tensor]:
-    return chain_runner(chain, infini_dist.config.snapshot()).site(index, list(inputs))
+    runner = chain_runner(chain, infini_dist.config.snapshot())
+    if not runner.splits(index, list(inputs)):  # the site as the site pass wrote it
+        return fused_site(list(inputs), runner.sites[index].site)
+    return runner.site(index, list(inputs))
 
 
 def split_read(inputs: list[torch.Tensor], chain: str, index: int) -> list[torch.Tensor]:
