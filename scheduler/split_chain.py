@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.kernels import cuda_driver
-from infini_dist.kernels.symm_buffers import slot_elements
+from infini_dist.kernels.symm_buffers import size_class, slot_elements
 from infini_dist.kernels.symm_chain import MAX_ROW
 from infini_dist.scheduler import lockstep
 from infini_dist.scheduler.backends.symm_launch import tuning_of
@@ -49,6 +49,9 @@ from infini_dist.scheduler.store import STORE
 log = logging.getLogger("infini_dist")
 
 SITES, SPLIT = "sites", "split"
+# The split's buffers grow with sites x rows (Llama-3-8B at TP = 2, 32 layers: 3.5 GiB at 2048
+# rows, 14 GiB at 8192); past this share of the device's memory the chain runs site by site.
+MAX_MEMORY_SHARE = 0.1
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
 
@@ -147,6 +150,15 @@ class ChainRunner:
         return outs if readers else [outs[0].view(h.shape)]
 
     # ---- the decision ---------------------------------------------------------------------
+    def buffer_bytes(self, world: int) -> int:
+        """Device memory the split takes on each rank: every site has its own symmetric scatter
+        and gather buffers (so that no barrier closes a site), its residual and its parts."""
+        total = 0
+        for s in self.sites:
+            rows = s.rows * s.hidden * self.dtype.itemsize
+            total += 2 * size_class(rows) + rows + rows // world * (world - 1)
+        return total
+
     def _unsupported(self, device, world: int) -> str | None:
         if device.type != "cuda":
             return "not on CUDA"
@@ -160,6 +172,10 @@ class ChainRunner:
                 return f"{s.rows} rows do not cut into {world} equal parts"
             if s.hidden > MAX_ROW:
                 return f"rows of {s.hidden} exceed the reduction's {MAX_ROW}"
+        need, total = self.buffer_bytes(world), torch.cuda.get_device_properties(device).total_memory
+        if need > total * MAX_MEMORY_SHARE:
+            return (f"its buffers ({need / 2**30:.1f} GiB) would take more than "
+                    f"{MAX_MEMORY_SHARE:.0%} of the device's memory")
         return None
 
     def _decide(self, inputs: list) -> None:
