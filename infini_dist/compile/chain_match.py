@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 
 import torch
@@ -83,9 +84,11 @@ def _readers(h: fx.Node, rows: int, hidden: int) -> list | None:
             x, b, bias = parts
             weight, transpose = (b.args[0], True) if (b.op == "call_function"
                                                       and _is_transpose(b)) else (b, False)
+            dtype = value_of(h).dtype  # the split's outputs are made in h's dtype
             if not (is_tensor(weight) and value_of(weight).dim() == 2
-                    and (bias is None or (is_tensor(bias) and value_of(bias).dim() == 1))
-                    and value_of(weight).dtype == value_of(h).dtype):
+                    and value_of(weight).dtype == dtype == value_of(node).dtype
+                    and (bias is None or (is_tensor(bias) and value_of(bias).dim() == 1
+                                          and value_of(bias).dtype == dtype))):
                 return None
             found.append((node, weight, transpose, bias))
     return found
@@ -106,10 +109,9 @@ def _site(node: fx.Node) -> tuple | None:
     x, _, residual, _ = (_static(n) for n in inputs)
     if x is None or residual is None:
         return None
-    rows, hidden = residual[:-1], residual[-1]
-    count = 1
-    for d in rows:
-        count *= d
+    count, hidden = math.prod(residual[:-1]), residual[-1]
+    if math.prod(x[:-1]) != count:
+        return None
     matmul, norm = sub.nodes[0], sub.nodes[2]
     spec = ChainSite(text, count, x[-1], hidden, bool(matmul.attr("transpose_weight")),
                      float(norm.attr("eps")), 1 in items and bool(items[1].users), ())
