@@ -172,8 +172,8 @@ class ChainRunner:
                 return f"{s.rows} rows do not cut into {world} equal parts"
             if s.hidden > MAX_ROW:
                 return f"rows of {s.hidden} exceed the reduction's {MAX_ROW}"
-        need, total = self.buffer_bytes(world), torch.cuda.get_device_properties(device).total_memory
-        if need > total * MAX_MEMORY_SHARE:
+        need = self.buffer_bytes(world)
+        if need > torch.cuda.get_device_properties(device).total_memory * MAX_MEMORY_SHARE:
             return (f"its buffers ({need / 2**30:.1f} GiB) would take more than "
                     f"{MAX_MEMORY_SHARE:.0%} of the device's memory")
         return None

@@ -81,7 +81,7 @@ def _readers(h: fx.Node, rows: int, hidden: int) -> list | None:
             parts = _gemm(node) if node.op == "call_function" else None
             if parts is None or parts[0] is not (views[0] if views else h):
                 return None
-            x, b, bias = parts
+            _, b, bias = parts
             weight, transpose = (b.args[0], True) if (b.op == "call_function"
                                                       and _is_transpose(b)) else (b, False)
             dtype = value_of(h).dtype  # the split's outputs are made in h's dtype

@@ -24,10 +24,10 @@ SITE_OP, READ_OP = "infini_dist::split_site", "infini_dist::split_read"
 
 
 def split_site(inputs: list[torch.Tensor], chain: str, index: int) -> list[torch.Tensor]:
-    runner = chain_runner(chain, infini_dist.config.snapshot())
-    if not runner.splits(index, list(inputs)):  # the site as the site pass wrote it
-        return fused_site(list(inputs), runner.sites[index].site)
-    return runner.site(index, list(inputs))
+    inputs, runner = list(inputs), chain_runner(chain, infini_dist.config.snapshot())
+    if not runner.splits(index, inputs):  # the site as the site pass wrote it
+        return fused_site(inputs, runner.sites[index].site)
+    return runner.site(index, inputs)
 
 
 def split_read(inputs: list[torch.Tensor], chain: str, index: int) -> list[torch.Tensor]:
