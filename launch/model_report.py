@@ -211,7 +211,8 @@ def chain_line(chain: dict) -> str:
                 f"({chain.get('reason', 'not decided')})")
     totals = chain["totals_s"]
     units = "; ".join(f"site {u['site']} x{u['count']}: " + ", ".join(
-        f"{n} {t * 1e6:.1f}" for n, t in u["times_s"].items()) for u in chain["units"])
+        f"{n} {t * 1e6:.1f}" for n, t in u["times_s"].items()) + f" -> {u['split']}"
+        for u in chain["units"])
     return (f"row-split chain of {chain['sites']} sites at {chain['rows']} rows: committed "
             f"{chain['mode']} (split {totals['split'] * 1e6:.1f} us against site by site "
             f"{totals['sites'] * 1e6:.1f} us; {units})")

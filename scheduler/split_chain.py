@@ -237,7 +237,7 @@ class ChainRunner:
                      for c in ways.choices}
             best = min((c for c in ways.choices if c.name != SITES), key=lambda c: worst[c.name])
             for index in indices:
-                self.split[index].parted = best.parted
+                self.split[index].parted, self.split[index].columns = best.parted, best.columns
             units.append({"site": indices[0], "count": len(indices), "times_s": worst,
                           "split": best.name})
             totals[SITES] += worst[SITES] * len(indices)
@@ -261,8 +261,8 @@ class ChainRunner:
 class _Way:
     """One way of running a site for lockstep.time_choices: a name and run(values)."""
 
-    def __init__(self, name: str, run, parted: int | None = None):
-        self.name, self._run, self.parted = name, run, parted
+    def __init__(self, name: str, run, parted: int | None = None, columns: int = 1):
+        self.name, self._run, self.parted, self.columns = name, run, parted, columns
 
     def run(self, _values):
         return self._run()
@@ -287,18 +287,25 @@ class _Ways:
             if bias:
                 self.readers.append(rand(n, scale=0.1))
         self.runner, self.index = runner, index
-        # split: every reader in row parts; split_first: the first alone (several readers)
-        self.choices = [_Way(SITES, lambda: self._both(SITES)),
-                        _Way(SPLIT, lambda: self._both(SPLIT))]
-        if len(spec.readers) > 1:
-            self.choices.append(_Way(f"{SPLIT}_first", lambda: self._both(SPLIT, 1), 1))
+        # split: every reader in row parts; _first: the first alone (several readers); _cols:
+        # each part's GEMMs in two column parts (widths that stay 16-byte aligned)
+        self.choices = [_Way(SITES, lambda: self._both(SITES))]
+        variants = [(SPLIT, None)] + ([(f"{SPLIT}_first", 1)] if len(spec.readers) > 1 else [])
+        if spec.readers and all(n % 16 == 0 for n, _, _ in spec.readers):
+            variants += [(f"{name}_cols", parted) for name, parted in variants]
+        for name, parted in variants:
+            columns = 2 if name.endswith("_cols") else 1
+            self.choices.append(_Way(name, functools.partial(self._both, SPLIT, parted, columns),
+                                     parted, columns))
 
-    def _both(self, mode: str, parted: int | None = None) -> list:
-        """The site and its readers `mode`'s way (split: the first `parted` readers in parts)."""
+    def _both(self, mode: str, parted: int | None = None, columns: int = 1) -> list:
+        """The site and its readers `mode`'s way (split: the first `parted` readers in parts,
+        each in `columns` column parts)."""
         runner = self.runner
         saved, runner.mode = runner.mode, mode
         if mode == SPLIT:
             runner.split[self.index].parted = parted
+            runner.split[self.index].columns = columns
         try:
             h = runner.site(self.index, self.inputs)[0]
             outs = runner.read(self.index, [h] + self.readers)

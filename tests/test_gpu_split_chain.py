@@ -1,7 +1,8 @@
 """A row-split chain on 2 GPUs (NCCL): an HF Llama under transformers' TP (bf16, 2 layers, a
 prefill of 2 x 1024 tokens), compiled with config.matmul_prologue so that its four sites form
 one chain (compile/chain_match.py), the split committed (a timing hook makes it win, with only
-the first of several readers in row parts), then:
+the first of several readers in row parts, and every other site's reader GEMMs cut by columns
+as well), then:
 
 - without CUDA graphs: the logits of two inputs against eager TP (relative L2);
 - under mode="reduce-overhead" (CUDA-graph trees record the chain's copy stream, flags and
@@ -28,10 +29,23 @@ def _rel(out, ref) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _split_wins(medians):
-    """The split wins, with its first reader alone in parts where a site has several."""
-    order = {"split_first": 1.0, "split": 1.5, "native": 5.0}
-    return {n: order.get(n, 2.0) for n in medians}
+def _split_wins():
+    """A timing hook by which the split wins, with its first reader alone in parts where a site
+    has several; its GEMMs cut by columns too at every other chain site timed, so that both
+    ways run (the hook sees the chain's sites in the same order on every rank). The engine's
+    own site tunings, which the hook sees as well, commit a fused choice."""
+    chain_sites = []
+
+    def hook(medians):
+        if "sites" not in medians:  # a site's tuning: any fused choice over native
+            return {n: 5.0 if n == "native" else 2.0 for n in medians}
+        cols = len(chain_sites) % 2 == 0
+        chain_sites.append(cols)
+        base = {"split_first": 1.0, "split": 1.5, "sites": 2.0}
+        return {n: base.get(n.removesuffix("_cols"), 5.0)
+                + (0.0 if n == "sites" or n.endswith("_cols") == cols else 0.25)
+                for n in medians}
+    return hook
 
 
 def _logits(model, ids):
@@ -56,12 +70,13 @@ def _rank(rank, world, path):
     infini_dist.config.matmul_prologue = True
     with torch.no_grad():
         eager = [_logits(model, ids) for ids in inputs]
-        STORE.timing_hook = _split_wins
+        STORE.timing_hook = _split_wins()
         with idc.recording() as graphs:
             compiled = idc.compile_model(model, recompile_decided=False)
             plain = [_logits(compiled, ids) for ids in inputs]
         report["chains"] = [len(g.chains) for g in graphs]
         report["decisions"] = [d.get("mode") for d in chain_decisions()]
+        report["ways"] = sorted({u["split"] for d in chain_decisions() for u in d["units"]})
         report["rel_eager"] = [_rel(p, e) for p, e in zip(plain, eager)]
         torch._dynamo.reset()
         graphed = idc.compile_model(model, mode="reduce-overhead", recompile_decided=False)
@@ -98,6 +113,8 @@ def test_hf_llama_prefill_as_a_row_split_chain_on_two_gpus(tmp_path):
         print(f"rank {rank}: " + str({k: v for k, v in r.items() if k != "logits"}))
     for r in reports:
         assert r["chains"] == [1] and r["decisions"] == ["split"], r
+        assert any(w.endswith("_cols") for w in r["ways"]), r["ways"]
+        assert any(not w.endswith("_cols") for w in r["ways"]), r["ways"]
         assert max(r["rel_eager"]) < 2e-2, r["rel_eager"]
         assert r["graph_mismatches"] == 0 and r["rel_graph_vs_plain"] < 1e-2, r
         assert r["own_decision"]["mode"] in ("split", "sites") and r["rel_own"] < 2e-2, r
