@@ -49,8 +49,8 @@ from infini_dist.scheduler.store import STORE
 log = logging.getLogger("infini_dist")
 
 SITES, SPLIT = "sites", "split"
-# The split's buffers grow with sites x rows (Llama-3-8B at TP = 2, 32 layers: 3.5 GiB at 2048
-# rows, 14 GiB at 8192); past this share of the device's memory the chain runs site by site.
+# The split's buffers grow with rows (two sets, whatever the sites: 112 MiB at 2048 rows of
+# 4096 bf16 at TP = 2); past this share of the device's memory the chain runs site by site.
 MAX_MEMORY_SHARE = 0.1
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
@@ -151,10 +151,11 @@ class ChainRunner:
 
     # ---- the decision ---------------------------------------------------------------------
     def buffer_bytes(self, world: int) -> int:
-        """Device memory the split takes on each rank: every site has its own symmetric scatter
-        and gather buffers (so that no barrier closes a site), its residual and its parts."""
+        """Device memory the split takes on each rank: two sets (sites k and k + 2 share one,
+        scheduler/split_site.py) of symmetric scatter and gather buffers, a residual and the
+        peers' parts."""
         total = 0
-        for s in self.sites:
+        for s in self.sites[:2]:
             rows = s.rows * s.hidden * self.dtype.itemsize
             total += 2 * size_class(rows) + rows + rows // world * (world - 1)
         return total
@@ -205,9 +206,11 @@ class ChainRunner:
         tuning = tuning_of(self.settings)
         self.copy_stream = torch.cuda.Stream(device)
         flags = Flags(group, device, len(self.sites), plane, tuning)
-        self.split = [SplitSite(i, s.rows, s.hidden, self.dtype, group, device,
-                                self.copy_stream, flags, tuning)
-                      for i, s in enumerate(self.sites)]
+        self.split = []
+        for i, s in enumerate(self.sites):
+            self.split.append(SplitSite(i, s.rows, s.hidden, self.dtype, group, device,
+                                        self.copy_stream, flags, tuning,
+                                        like=self.split[i - 2] if i >= 2 else None))
 
     def _time(self, group, device, plane, world: int) -> str:
         s = self.settings

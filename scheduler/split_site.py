@@ -23,6 +23,9 @@ only those. Each row is reduced by one rank and copied, so every rank holds the 
 Reuse without barriers: a rank writes a peer's slot or rows of site k again only in a later
 forward, after waits that the peer's own later signals satisfied, which it sent after reading
 them; each flag is set again only after its owner cleared it (docs/notes_symm.md, session 31).
+The same holds two sites on: a rank writes site k + 2's slots and rows after its reduction of
+site k + 1, which waited for the peers' site k + 1 signals, sent after their reads of site k.
+So sites k and k + 2 share every buffer, and a chain holds two sets of them, not one a site.
 """
 
 from __future__ import annotations
@@ -105,10 +108,11 @@ class Flags:
 
 class SplitSite:
     """Site `index` of a chain for `rows` x `hidden` values of `dtype`, its buffers sized once.
-    `copy_stream` and `flags` are the chain's; the chain joins the copy stream at its end."""
+    `copy_stream` and `flags` are the chain's; the chain joins the copy stream at its end.
+    `like`: site index - 2, whose buffers this site shares (see the module doc)."""
 
     def __init__(self, index: int, rows: int, hidden: int, dtype, group, device,
-                 copy_stream, flags: Flags, tuning):
+                 copy_stream, flags: Flags, tuning, like: "SplitSite | None" = None):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.index, self.rows, self.tuning = index, rows, tuning
         self.copy_stream, self.flags = copy_stream, flags
@@ -119,12 +123,17 @@ class SplitSite:
         if stride != numel:
             raise ValueError("row split: the gathered parts must lie back to back")
         size = chunk_reduce_bytes(numel, dtype.itemsize, world)
-        self.scatter = symm_buffers.get_buffer(group, device, f"row_split_scatter{index}", size)
-        gather = symm_buffers.get_buffer(group, device, f"row_split_gather{index}", size)
+        if like is not None and (like.rows, like.pre.shape[1], like.pre.dtype) != (rows, hidden,
+                                                                                  dtype):
+            raise ValueError("row split: sites sharing buffers differ in size")
+        self.scatter = symm_buffers.get_buffer(group, device, f"row_split_scatter{index % 2}",
+                                               size)
+        gather = symm_buffers.get_buffer(group, device, f"row_split_gather{index % 2}", size)
         self.y = symm_buffers.data_view(self.scatter, rank, dtype, rank * stride,
                                         numel).view(n, hidden)
         self.pushes = [  # (the part computed here, its owner's slot for it)
-            (torch.empty(n, hidden, dtype=dtype, device=device),
+            (like.pushes[i - 1][0] if like else torch.empty(n, hidden, dtype=dtype,
+                                                            device=device),
              symm_buffers.data_view(self.scatter, (rank + i) % world, dtype, rank * stride,
                                     numel).view(n, hidden)) for i in range(1, world)]
         self.h = symm_buffers.data_view(gather, rank, dtype, 0, rows * hidden).view(rows, hidden)
@@ -132,7 +141,7 @@ class SplitSite:
             gather, dtype, rank * stride, numel)]
         # The new residual: kept, like h, so that the next site's reduction reads the same
         # address at every call and its launch is bound once.
-        self.pre = torch.empty(rows, hidden, dtype=dtype, device=device)
+        self.pre = like.pre if like else torch.empty(rows, hidden, dtype=dtype, device=device)
         # How many readers (the first ones) run in row parts around the gather's wait; the
         # rest run over every row after it: enough parts to hide the gather, no more GEMMs
         # than that. None: all. `columns`: each part's GEMM in that many column parts, as

@@ -123,14 +123,17 @@ def test_a_chain_only_where_its_conditions_hold(fn, rows, flags, chained):
 
 
 def test_the_split_counts_its_buffers_before_it_takes_them():
-    """Per site: the symmetric scatter and gather buffers (size classes), the residual and the
-    peers' parts; a chain whose buffers would take too much of a GPU runs site by site."""
+    """Two sets, whatever the sites (sites k and k + 2 share one): the symmetric scatter and
+    gather buffers (size classes), the residual and the peers' parts; a chain whose buffers
+    would take too much of a GPU runs site by site."""
     from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, chain_text
     site = ChainSite("{}", 2048, 2048, 4096, True, 1e-6, True, ((6144, True, False),))
     runner = ChainRunner(chain_text("g0", torch.bfloat16, [site] * 64), None)
     per_site = 2 * 16 * 2**20 + 16 * 2**20 + 8 * 2**20  # 2048 x 4096 bf16 at 2 ranks
-    assert runner.buffer_bytes(2) == 64 * per_site  # Llama-3-8B's 32 layers: 3.5 GiB
-    assert runner.buffer_bytes(4) == 64 * (per_site + 4 * 2**20)
+    assert runner.buffer_bytes(2) == 2 * per_site  # Llama-3-8B's 32 layers: 112 MiB
+    assert runner.buffer_bytes(4) == 2 * (per_site + 4 * 2**20)
+    one = ChainRunner(chain_text("g0", torch.bfloat16, [site]), None)
+    assert one.buffer_bytes(2) == per_site
     assert runner._unsupported(torch.device("cpu"), 2) == "not on CUDA"
 
 

@@ -9,6 +9,7 @@ as well), then:
   waits): three rounds over both inputs, each bitwise equal to its first replay and close to
   the run without graphs;
 - every rank's logits bitwise equal (each row is reduced by one rank and copied);
+- the chain's four split sites hold two sets of buffers (sites k and k + 2 share one);
 - then a chain decided by its own timings (no hook): whatever it commits, the logits match.
 """
 
@@ -77,6 +78,8 @@ def _rank(rank, world, path):
         report["chains"] = [len(g.chains) for g in graphs]
         report["decisions"] = [d.get("mode") for d in chain_decisions()]
         report["ways"] = sorted({u["split"] for d in chain_decisions() for u in d["units"]})
+        report["buffer_sets"] = [len({(s.h.data_ptr(), s.pre.data_ptr()) for s in r.split})
+                                 for r in STORE.chains.values() if r.split]
         report["rel_eager"] = [_rel(p, e) for p, e in zip(plain, eager)]
         torch._dynamo.reset()
         graphed = idc.compile_model(model, mode="reduce-overhead", recompile_decided=False)
@@ -114,6 +117,7 @@ def test_hf_llama_prefill_as_a_row_split_chain_on_two_gpus(tmp_path):
     for r in reports:
         assert r["chains"] == [1] and r["decisions"] == ["split"], r
         assert any(w.endswith("_cols") for w in r["ways"]), r["ways"]
+        assert r["buffer_sets"] == [2], r["buffer_sets"]  # sites k and k + 2 share
         assert any(not w.endswith("_cols") for w in r["ways"]), r["ways"]
         assert max(r["rel_eager"]) < 2e-2, r["rel_eager"]
         assert r["graph_mismatches"] == 0 and r["rel_graph_vs_plain"] < 1e-2, r
