@@ -188,19 +188,29 @@ class ChainRunner:
         group = resolve_group(self.group_name)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         reason = self._unsupported(device, world)
-        plane = None if reason else control_plane(group, self.settings.tuning_timeout_s)
-        if plane is not None and not plane.single_host:
-            reason = "ranks on several hosts"
-        if reason:
-            self.mode, self.decision = SITES, {"mode": SITES, "reason": reason}
-            log.info("infini_dist: row-split chain of %d sites runs site by site: %s",
-                     len(self.sites), reason)
+        if world < 2:
+            self._site_by_site(reason)
             return
+        plane = control_plane(group, self.settings.tuning_timeout_s)
 
         def decide():
             with plane.lock:
+                # A rank that cannot split (no libcuda, less memory) takes every rank with it:
+                # the others would wait for it in the timing's exchanges.
+                agreed = next((r for r in plane.all_gather(reason, "row split support") if r),
+                              None)
+                if agreed is None and not plane.single_host:
+                    agreed = "ranks on several hosts"
+                if agreed:
+                    self._site_by_site(agreed)
+                    return SITES
                 return self._time(group, device, plane, world)
         self.mode = run_aside(decide, device)
+
+    def _site_by_site(self, reason: str) -> None:
+        self.mode, self.decision = SITES, {"mode": SITES, "reason": reason}
+        log.info("infini_dist: row-split chain of %d sites runs site by site: %s",
+                 len(self.sites), reason)
 
     def _build(self, group, device, plane) -> None:
         tuning = tuning_of(self.settings)

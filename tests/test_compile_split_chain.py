@@ -208,3 +208,22 @@ def test_hf_llama_prefill_compiles_into_one_chain_on_gloo(tmp_path):
         scale = float(r["eager"].abs().max())
         assert float((r["ours"] - r["eager"]).abs().max()) <= 1e-4 * (1 + scale)
     assert torch.equal(results[0]["ours"], results[1]["ours"])
+
+
+def _one_rank_cannot_split(rank, world):
+    import torch.distributed as dist
+
+    from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, chain_text
+    site = ChainSite("{}", 64, 16, 16, True, 1e-6, True, ((32, True, False),))
+    with infini_dist.config.patch(tuning_timeout_s=30.0):
+        runner = ChainRunner(chain_text(dist.group.WORLD.group_name, torch.float32,
+                                        [site, site]), infini_dist.config.snapshot())
+    # rank 1 could split (as on a GPU), rank 0 cannot: rank 1 must not go on to time alone
+    runner._unsupported = lambda device, world: None if rank else "no libcuda"
+    runner._decide([torch.ones(64, 16)])
+    return runner.mode, runner.decision
+
+
+def test_a_rank_that_cannot_split_takes_every_rank_site_by_site():
+    results = run_ranks(_one_rank_cannot_split, 2, timeout=120)
+    assert results == [("sites", {"mode": "sites", "reason": "no libcuda"})] * 2
