@@ -307,13 +307,8 @@ class SiteRunner:
                 log.warning("infini_dist: dropping %s: outputs differ across ranks", choice.name)
                 continue
             survivors.append(choice)
-        medians = lockstep.time_choices(self.settings, survivors, values, ctx, plane)
-        hook = STORE.timing_hook
-        if hook is not None:
-            medians = lockstep.agreed(s, plane, "vote", lambda: hook(dict(medians)))
-        all_medians = plane.all_gather(medians, "timings") if plane else [medians]
-        worst = {n: max(m[n] for m in all_medians) for n in medians}
-        survivors = [c for c in survivors if c.name in medians]
+        worst = lockstep.worst_medians(s, survivors, values, ctx, plane)
+        survivors = [c for c in survivors if c.name in worst]
         native_like = {c.name for c in survivors if c.fuses_nothing}
         mine = benchmark.pick(worst, NATIVE, native_like, s.fusion_speedup_threshold)
         if plane is not None:

@@ -6,12 +6,14 @@ stopped everywhere with a clear error), so the ranks never leave tuning out of s
 from __future__ import annotations
 
 import logging
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 from infini_dist.scheduler import benchmark, data_plane
 from infini_dist.scheduler.choices import NATIVE, Choice
 from infini_dist.scheduler.data_plane import DataPlaneError, describe, guarded
+from infini_dist.scheduler.store import STORE
 
 log = logging.getLogger("infini_dist")
 
@@ -123,3 +125,15 @@ def time_choices(settings, choices, values, ctx, plane) -> dict[str, float]:
         if agree_failures(settings, [choice], {choice.name: state["error"]}, plane, step):
             medians[choice.name] = benchmark.median(times)
     return medians
+
+
+def worst_medians(settings, choices, values, ctx, plane) -> dict[str, float]:
+    """Each choice's median (time_choices), as the timing hook votes where one is set (tests
+    and benches force a choice with it), then the slowest rank's: what every rank decides on."""
+    medians = time_choices(settings, choices, values, ctx, plane)
+    hook = STORE.timing_hook
+    if hook is not None:
+        medians = agreed(settings, plane, "vote", lambda: hook(dict(medians)))
+    gathered = plane.all_gather(medians, "timings") if plane else [medians]
+    return {name: max(m.get(name, math.inf) for m in gathered) for name in medians}
+

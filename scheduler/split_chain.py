@@ -241,13 +241,8 @@ class ChainRunner:
         for indices in counts.values():
             ways = _Ways(self, indices[0], device)
             lockstep.agreed(s, plane, "row split first run", ways.first_run)
-            medians = lockstep.time_choices(s, ways.choices, None, ctx, plane)
-            if STORE.timing_hook is not None:
-                hook = STORE.timing_hook
-                medians = lockstep.agreed(s, plane, "vote", lambda: hook(dict(medians)))
-            gathered = plane.all_gather(medians, "row split timings")
-            worst = {c.name: max(m.get(c.name, math.inf) for m in gathered)
-                     for c in ways.choices}
+            worst = {c.name: math.inf for c in ways.choices}  # a way that failed to time
+            worst.update(lockstep.worst_medians(s, ways.choices, None, ctx, plane))
             best = min((c for c in ways.choices if c.name != SITES), key=lambda c: worst[c.name])
             for index in indices:
                 self.split[index].parted, self.split[index].columns = best.parted, best.columns
