@@ -18,13 +18,17 @@ row, so nothing depends on when the decision came.
 The decision: each distinct site (sizes and readers) is timed both ways on random values of
 its sizes, in lockstep on the group, the worst rank's medians weighted by how often the site
 occurs; `split` is committed where the sites' total reaches its total times
-`fusion_speedup_threshold`, as a fused choice must beat native (scheduler/benchmark.py). Split
-needs CUDA, one host, two or more ranks, libcuda and rows that cut into the ranks' parts.
+`fusion_speedup_threshold`, as a fused choice must beat native (scheduler/benchmark.py). The
+decision goes into the engine's decision cache (memory and disk, rank 0's lookup broadcast), so
+a later process with the same chain, group size, device, flags and versions takes it untimed.
+Split needs CUDA, one host, two or more ranks, libcuda and rows that cut into the ranks' parts;
+any rank's reason not to split sends every rank site by site.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -36,8 +40,9 @@ import torch.distributed as dist
 from infini_dist.kernels import cuda_driver
 from infini_dist.kernels.symm_buffers import size_class, slot_elements
 from infini_dist.kernels.symm_chain import MAX_ROW
-from infini_dist.scheduler import lockstep
+from infini_dist.scheduler import lockstep, report
 from infini_dist.scheduler.backends.symm_launch import tuning_of
+from infini_dist.scheduler.cache import versions
 from infini_dist.scheduler.choices import RunContext, resolve_group
 from infini_dist.scheduler.control import control_plane
 from infini_dist.scheduler.engine import site_executor
@@ -223,15 +228,60 @@ class ChainRunner:
                                         like=self.split[i - 2] if i >= 2 else None))
 
     def _time(self, group, device, plane, world: int) -> str:
+        """The chain's mode: from the decision cache (rank 0's lookup, broadcast), else timed;
+        the split's buffers built only where it runs."""
         s = self.settings
         plane.agree(json.dumps([site.unit() for site in self.sites]), "row split chain",
                     "the chain's sites")
+        key = self._cache_key(world, device)
+        record = STORE.records.get_memory(key)
+        if record is None and plane.rank == 0 and s.enable_disk_cache:
+            record = STORE.records.read_disk(s.cache_dir, key)
+        record = plane.broadcast(record if plane.rank == 0 else None, "row split cache lookup")
+        if record is not None and record["choice"] == SITES:
+            self.decision = dict(record, source="cache")
+            return SITES
         try:
             lockstep.agreed(s, plane, "row split buffers", lambda: self._build(group, device,
                                                                                plane))
         except Exception as error:  # noqa: BLE001 - agreed: every rank falls back together
             self.decision = {"mode": SITES, "reason": f"setup failed: {error}"}
             return SITES
+        if record is not None:
+            ways = {u["site"]: u["split"] for u in record["units"]}
+            for index, spec in enumerate(self.sites):
+                first = next(i for i, o in enumerate(self.sites) if o.unit() == spec.unit())
+                self.split[index].parted, self.split[index].columns = _way(ways[first])
+            self.decision = dict(record, source="cache")
+        else:
+            self.decision = self._time_units(group, device, plane, world)
+            record = dict(self.decision, choice=self.decision["mode"], source=None,
+                          op=f"row_split_chain x{len(self.sites)}", bucket=self.sites[0].rows,
+                          dtypes=[str(self.dtype)], world_size=world,
+                          device=report.device_name(device), versions=versions())
+            STORE.records.put_memory(key, record)
+            if plane.rank == 0 and s.enable_disk_cache:
+                STORE.records.write_disk(s.cache_dir, key, record)
+        mode = self.decision["mode"]
+        if mode == SITES:
+            self.split = []  # their buffers stay cached for later chains; the views go
+        else:
+            STORE.split_sites.update((site.site, site.rows) for site in self.sites)
+        return mode
+
+    def _cache_key(self, world: int, device) -> str:
+        """What the decision depends on: the sites' sizes and readers, the group's size, the
+        device, the flags that decide choices, the versions."""
+        payload = json.dumps({"row_split_chain": [site.unit() for site in self.sites],
+                              "dtype": str(self.dtype), "world": world,
+                              "device": report.device_name(device),
+                              "settings": self.settings.decision_fields(), **versions()},
+                             sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def _time_units(self, group, device, plane, world: int) -> dict:
+        """Each distinct site timed every way in lockstep; the decision (module doc)."""
+        s = self.settings
         ctx = RunContext(group, world, plane.rank, device)
         counts: dict = {}
         for index, site in enumerate(self.sites):
@@ -245,7 +295,7 @@ class ChainRunner:
             worst.update(lockstep.worst_medians(s, ways.choices, None, ctx, plane))
             best = min((c for c in ways.choices if c.name != SITES), key=lambda c: worst[c.name])
             for index in indices:
-                self.split[index].parted, self.split[index].columns = best.parted, best.columns
+                self.split[index].parted, self.split[index].columns = _way(best.name)
             units.append({"site": indices[0], "count": len(indices), "times_s": worst,
                           "split": best.name})
             totals[SITES] += worst[SITES] * len(indices)
@@ -253,24 +303,25 @@ class ChainRunner:
             del ways
         mode = SPLIT if totals[SITES] >= totals[SPLIT] * s.fusion_speedup_threshold else SITES
         plane.agree(mode, "row split decision", "the chain's mode")
-        self.decision = {"mode": mode, "totals_s": totals, "units": units, "world": world,
-                         "rows": self.sites[0].rows, "sites": len(self.sites)}
-        if mode == SITES:
-            self.split = []  # their buffers stay cached for later chains; the views go
-        else:
-            STORE.split_sites.update((site.site, site.rows) for site in self.sites)
         if plane.rank == 0:
             log.info("infini_dist: row-split chain of %d sites at %d rows -> %s (%.1f us split "
                      "against %.1f us site by site)", len(self.sites), self.sites[0].rows, mode,
                      totals[SPLIT] * 1e6, totals[SITES] * 1e6)
-        return mode
+        return {"mode": mode, "totals_s": totals, "units": units, "world": world,
+                "rows": self.sites[0].rows, "sites": len(self.sites)}
+
+
+def _way(name: str) -> tuple[int | None, int]:
+    """A split way's (readers in row parts: None all, column parts) from its name:
+    split[_first][_cols]."""
+    return (1 if "_first" in name else None), (2 if name.endswith("_cols") else 1)
 
 
 class _Way:
     """One way of running a site for lockstep.time_choices: a name and run(values)."""
 
-    def __init__(self, name: str, run, parted: int | None = None, columns: int = 1):
-        self.name, self._run, self.parted, self.columns = name, run, parted, columns
+    def __init__(self, name: str, run):
+        self.name, self._run = name, run
 
     def run(self, _values):
         return self._run()
@@ -298,13 +349,11 @@ class _Ways:
         # split: every reader in row parts; _first: the first alone (several readers); _cols:
         # each part's GEMMs in two column parts (widths that stay 16-byte aligned)
         self.choices = [_Way(SITES, lambda: self._both(SITES))]
-        variants = [(SPLIT, None)] + ([(f"{SPLIT}_first", 1)] if len(spec.readers) > 1 else [])
+        names = [SPLIT] + ([f"{SPLIT}_first"] if len(spec.readers) > 1 else [])
         if spec.readers and all(n % 16 == 0 for n, _, _ in spec.readers):
-            variants += [(f"{name}_cols", parted) for name, parted in variants]
-        for name, parted in variants:
-            columns = 2 if name.endswith("_cols") else 1
-            self.choices.append(_Way(name, functools.partial(self._both, SPLIT, parted, columns),
-                                     parted, columns))
+            names += [f"{name}_cols" for name in names]
+        for name in names:
+            self.choices.append(_Way(name, functools.partial(self._both, SPLIT, *_way(name))))
 
     def _both(self, mode: str, parted: int | None = None, columns: int = 1) -> list:
         """The site and its readers `mode`'s way (split: the first `parted` readers in parts,

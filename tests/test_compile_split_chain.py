@@ -227,3 +227,48 @@ def _one_rank_cannot_split(rank, world):
 def test_a_rank_that_cannot_split_takes_every_rank_site_by_site():
     results = run_ranks(_one_rank_cannot_split, 2, timeout=120)
     assert results == [("sites", {"mode": "sites", "reason": "no libcuda"})] * 2
+
+
+def _decide_three_times(rank, world):
+    import types
+
+    import torch.distributed as dist
+
+    from infini_dist.scheduler import lockstep, split_chain
+    from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, chain_text
+    from infini_dist.scheduler.store import STORE
+    site = ChainSite("{}", 64, 16, 16, True, 1e-6, True, ((32, True, False), (32, True, False)))
+    last = ChainSite("{}", 64, 32, 16, True, 1e-6, False, ((48, True, False),))
+    text = chain_text(dist.group.WORLD.group_name, torch.float32, [site, last, site, last])
+    timed = []
+
+    def worst_medians(settings, choices, values, ctx, plane):  # the split cut by columns wins
+        timed.append([c.name for c in choices])
+        return {c.name: {"sites": 3.0, "split_cols": 1.0}.get(c.name, 2.0) for c in choices}
+    # What needs a GPU (the buffers, the runs, the timing) is stood in for; the rest is real.
+    lockstep.worst_medians = worst_medians
+    split_chain._Ways.first_run = lambda self: None
+    ChainRunner._build = lambda self, group, device, plane: setattr(
+        self, "split", [types.SimpleNamespace(parted=None, columns=1) for _ in self.sites])
+    ChainRunner._unsupported = lambda self, device, world: None
+
+    def decide():
+        runner = ChainRunner(text, infini_dist.config.snapshot())
+        runner._decide([torch.ones(64, 16)])
+        return (runner.mode, runner.decision.get("source"),
+                [(s.parted, s.columns) for s in runner.split], len(timed))
+    first = decide()
+    STORE.records.clear()  # as a new process: only the disk has the decision
+    second = decide()
+    with infini_dist.config.patch(fusion_speedup_threshold=1.5):  # a flag the key holds
+        third = decide()
+    return first, second, third
+
+
+def test_a_chains_decision_is_cached_on_disk_and_agreed():
+    """The first process times (two distinct sites), a later one takes rank 0's record from
+    disk with each site's way, untimed; other decision flags time again."""
+    results = run_ranks(_decide_three_times, 2, timeout=120)
+    cols = [(None, 2)] * 4
+    assert results == [(("split", None, cols, 2), ("split", "cache", cols, 2),
+                        ("split", None, cols, 4))] * 2
