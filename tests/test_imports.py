@@ -94,6 +94,9 @@ def test_engine_never_imports_the_user_surface():
 _CHILD = r"""
 import importlib, os, sys
 import torch  # once, before the forks: every child starts from the same clean state
+# torch's own compiler stack too (not the package's: `torch._dynamo` and `torch._inductor` load
+# lazily on first use of the attribute anyway): importing it was ~5 s of each child's import
+import torch._dynamo, torch._inductor
 failed = []
 for name in sys.argv[1:]:
     pid = os.fork()
@@ -115,8 +118,9 @@ sys.exit(1 if failed else 0)
 
 
 def test_every_module_imports_on_its_own():
-    """Each in a fresh child (forked after `import torch` only): a module that needs another to
-    be imported first, or that sits in a cycle broken by import order, fails here."""
+    """Each in a fresh child (forked after importing torch and its compiler stack): a module
+    that needs another of the package to be imported first, or that sits in a cycle broken by
+    import order, fails here."""
     names = [n for n in _modules() if not n.endswith("__main__")]
     run = subprocess.run([sys.executable, "-c", _CHILD, *names], capture_output=True, text=True,
                          timeout=300, env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
