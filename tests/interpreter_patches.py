@@ -72,3 +72,40 @@ def skip_nested_language_patches() -> bool:
     interpreter.GridExecutor.__call__ = launch_patched
     interpreter.InterpretedFunction.__call__ = call_unpatched
     return True
+
+
+def sleep_between_polls() -> bool:
+    """An interpreted rank that polls a flag or a Lamport buffer (`tl.load(..., volatile=True)`
+    in a loop: kernels/symm_signal.py) sleeps briefly before each repeated load of the same
+    places, so that on a machine with fewer cores than ranks the rank it waits for runs instead
+    of the spinning one. Loads themselves are unchanged, and a first load never waits; False
+    where this Triton's interpreter builder is not the one it was made for."""
+    import time
+
+    try:
+        from triton.runtime import interpreter
+        load = interpreter.InterpreterBuilder.create_masked_load
+    except (ImportError, AttributeError):
+        return False
+    if getattr(load, "sleeps", False):
+        return True
+    if list(inspect.signature(load).parameters) != ["self", "ptrs", "mask", "other",
+                                                    "cache_policy", "is_volatile"]:
+        return False
+    last = [None]  # the places of this process's latest volatile load
+
+    @functools.wraps(load)
+    def load_polling(self, ptrs, mask, other, cache_policy, is_volatile):
+        if is_volatile:
+            places = (ptrs.data.size, int(ptrs.data.flat[0]) if ptrs.data.size else 0)
+            if places == last[0]:  # polled again: the value it waits for was not there
+                time.sleep(POLL_SLEEP_S)
+            last[0] = places
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    load_polling.sleeps = True
+    interpreter.InterpreterBuilder.create_masked_load = load_polling
+    return True
+
+
+POLL_SLEEP_S = 0.0001
