@@ -103,7 +103,8 @@ def test_hf_llama_tp_training_matches_eager(tmp_path, route):
         assert eager["losses"][-1] < eager["losses"][0]  # it trains
         assert _max_rel(compiled["grads"], eager["grads"]) < 1e-4
         assert _max_rel(compiled["weights"], eager["weights"]) < 1e-4
-        forward, backward = r["graphs"][0], r["graphs"][1]
+        # (a site may start with its GEMM where config.matmul_prologue is on)
+        forward, backward = ([s[s[0] == "matmul":] for s in g] for g in r["graphs"][:2])
         # Forward: after attention and after the MLP, all_reduce -> add -> RMSNorm, with the
         # norm's rsqrt exposed for backward.
         assert sum(s[:3] == ["all_reduce", "add_rms_norm", "rms_rstd"] for s in forward) >= 3
