@@ -136,4 +136,3 @@ def worst_medians(settings, choices, values, ctx, plane) -> dict[str, float]:
         medians = agreed(settings, plane, "vote", lambda: hook(dict(medians)))
     gathered = plane.all_gather(medians, "timings") if plane else [medians]
     return {name: max(m.get(name, math.inf) for m in gathered) for name in medians}
-

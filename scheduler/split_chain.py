@@ -249,9 +249,9 @@ class ChainRunner:
             return SITES
         if record is not None:
             ways = {u["site"]: u["split"] for u in record["units"]}
-            for index, spec in enumerate(self.sites):
-                first = next(i for i, o in enumerate(self.sites) if o.unit() == spec.unit())
-                self.split[index].parted, self.split[index].columns = _way(ways[first])
+            for indices in self._units().values():
+                for index in indices:
+                    self.split[index].parted, self.split[index].columns = _way(ways[indices[0]])
             self.decision = dict(record, source="cache")
         else:
             self.decision = self._time_units(group, device, plane, world)
@@ -269,6 +269,14 @@ class ChainRunner:
             STORE.split_sites.update((site.site, site.rows) for site in self.sites)
         return mode
 
+    def _units(self) -> dict[tuple, list[int]]:
+        """The chain's distinct sites (ChainSite.unit), each with the indices where it occurs;
+        a decision's units are named by their first index."""
+        units: dict = {}
+        for index, site in enumerate(self.sites):
+            units.setdefault(site.unit(), []).append(index)
+        return units
+
     def _cache_key(self, world: int, device) -> str:
         """What the decision depends on: the sites' sizes and readers, the group's size, the
         device, the flags that decide choices, the versions."""
@@ -283,12 +291,9 @@ class ChainRunner:
         """Each distinct site timed every way in lockstep; the decision (module doc)."""
         s = self.settings
         ctx = RunContext(group, world, plane.rank, device)
-        counts: dict = {}
-        for index, site in enumerate(self.sites):
-            counts.setdefault(site.unit(), []).append(index)
         totals = {SITES: 0.0, SPLIT: 0.0}
         units = []
-        for indices in counts.values():
+        for indices in self._units().values():
             ways = _Ways(self, indices[0], device)
             lockstep.agreed(s, plane, "row split first run", ways.first_run)
             worst = {c.name: math.inf for c in ways.choices}  # a way that failed to time
