@@ -19,7 +19,9 @@ site, so that sites decided native stay Inductor's code; inductor_overlap and
 infini_dist_overlap: the same two with Inductor's compute/communication overlap options,
 OVERLAP; infini_dist_forward_overlap: the latter with config.backward_sites off;
 infini_dist_wgrad: the pass with the "overlap" fusion type, each backward site running its
-weight-gradient GEMMs beside its all_reduce, asked for by --variants; collective_free:
+weight-gradient GEMMs beside its all_reduce, asked for by --variants;
+infini_dist_matmul_prologue: the pass with config.matmul_prologue on, asked for by --variants
+beside infini_dist for the flag's A/B in one run; collective_free:
 torch.compile(model) with every collective of its forward and backward graphs a local no-op,
 the floor of issue #27's target, launch/collective_free.py), a fresh model with the same
 weights trains --steps steps;
@@ -60,10 +62,13 @@ from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 # all-reduces stay NCCL's under Inductor's overlap and only the forward sites are ours.
 # infini_dist_wgrad: the pass with the "overlap" fusion type, so that each backward site takes
 # the weight-gradient GEMMs it can run beside its all_reduce (scheduler/backends/symm_overlap.py).
+# infini_dist_matmul_prologue: the pass with config.matmul_prologue on whatever the flag says,
+# so one run compares the pass with and without the GEMM + all_reduce sites (the flag's A/B).
 FLOOR = "collective_free"
 WGRAD = "infini_dist_wgrad"
+MATMUL = "infini_dist_matmul_prologue"
 VARIANTS = ("inductor", "inductor_overlap", "infini_dist", "infini_dist_overlap",
-            "infini_dist_forward_overlap", "infini_dist_eager_timing", WGRAD, FLOOR)
+            "infini_dist_forward_overlap", "infini_dist_eager_timing", WGRAD, MATMUL, FLOOR)
 OVERLAP = {"reorder_for_compute_comm_overlap": True,  # config.py's recommended passes
            "reorder_for_compute_comm_overlap_passes": [
                "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
@@ -201,10 +206,12 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)  # seeded: same weights
     floor = collective_free.CollectiveFree()
     types = infini_dist.config.custom_op_fusion_types
+    # the flag or INFINI_DIST_MATMUL_PROLOGUE (config's own default)
+    matmul_prologue = args.matmul_prologue or infini_dist.config.matmul_prologue
     # the whole variant under its settings: the sites look their executors up by them
     with infini_dist.config.patch(benchmark_cuda_graphs=variant != "infini_dist_eager_timing",
                                   backward_sites=variant != "infini_dist_forward_overlap",
-                                  matmul_prologue=args.matmul_prologue,
+                                  matmul_prologue=matmul_prologue or variant == MATMUL,
                                   custom_op_fusion_types=types + ("overlap",) * (
                                       variant == WGRAD)):
         if variant == "inductor":
@@ -348,6 +355,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    import infini_dist
     args = parse_args(argv)
     device, dtype, control = setup(args)
     tol = args.tol if args.tol is not None else (2e-2 if dtype == torch.bfloat16 else 1e-4)
@@ -361,7 +369,7 @@ def main(argv=None) -> int:
         meta = {"world_size": dist.get_world_size(), "model": asdict(args.model),
                 "dtype": str(dtype).replace("torch.", ""), "steps": args.steps,
                 "warmup": args.warmup, "lr": args.lr, "tol": tol, "torch": torch.__version__,
-                "matmul_prologue": args.matmul_prologue,
+                "matmul_prologue": args.matmul_prologue or infini_dist.config.matmul_prologue,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)

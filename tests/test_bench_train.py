@@ -17,15 +17,16 @@ TINY = ["--device", "cpu", "--tokens", "16", "--steps", "3", "--warmup", "1", "-
 
 def test_train_bench_runs_small_on_cpu(tmp_path):
     out = tmp_path / "out"
-    # fused AdamW (the foreach default is the same code with the other flag)
+    # fused AdamW (the foreach default is the same code with the other flag); the matmul
+    # prologue's variant has a test of its own (below)
+    variants = [v for v in bench_train.VARIANTS if v != bench_train.MATMUL]
     run = run_cli(tmp_path, "bench", "--train", "--nproc", "2", *TINY, "--out", str(out),
-                  "--variants", ",".join(bench_train.VARIANTS), "--optimizers", "fused",
-                  timeout=400)
+                  "--variants", ",".join(variants), "--optimizers", "fused", timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["world_size"] == 2 and data["meta"]["dtype"] == "float32"
     rows = {r["variant"]: r for r in data["rows"]}
-    assert set(rows) == set(bench_train.VARIANTS)
+    assert set(rows) == set(variants)
     for row in rows.values():
         assert len(row["losses"]) == 3 and row["step_ms"] > 0 and row["tokens_per_s"] > 0
         assert row["optimizer"] == "fused"
@@ -116,21 +117,26 @@ def test_the_overlap_peer_runs_compute_between_an_all_reduce_and_its_wait(tmp_pa
 
 
 def test_train_bench_with_the_matmul_prologue(tmp_path):
-    """Training with config.matmul_prologue: the forward sites take their row-parallel
-    projection (the backward needs the matmul's inputs, never its output), and the loss curve
-    is plain compile's."""
+    """Training with config.matmul_prologue, in the variant that turns it on beside the pass
+    without it (the flag's A/B in one run): its forward sites take their row-parallel
+    projection (the backward needs the matmul's inputs, never its output), the other
+    variant's do not, and both loss curves are plain compile's."""
     out = tmp_path / "out"
     run = run_cli(tmp_path, "bench", "--train", "--nproc", "2", *TINY, "--out", str(out),
-                  "--variants", "inductor,infini_dist", "--matmul-prologue", timeout=300)
+                  "--variants", f"inductor,infini_dist,{bench_train.MATMUL}", timeout=300,
+                  INFINI_DIST_MATMUL_PROLOGUE="0")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
-    assert data["meta"]["matmul_prologue"] is True
+    assert data["meta"]["matmul_prologue"] is False
     rows = {r["variant"]: r for r in data["rows"]}
-    ops = rows["infini_dist"]["site_ops"]
+    ops = rows[bench_train.MATMUL]["site_ops"]
     assert "matmul+all_reduce+add_rms_norm+rms_rstd" in ops, ops
     assert any(o.startswith("all_reduce+") for o in ops), ops  # the backward's, no matmul
-    verdict = {v["variant"]: v for v in data["verdicts"]}["infini_dist"]
-    assert verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4, verdict
+    assert not any(o.startswith("matmul") for o in rows["infini_dist"]["site_ops"]), rows
+    verdicts = {v["variant"]: v for v in data["verdicts"]}
+    for variant in ("infini_dist", bench_train.MATMUL):
+        verdict = verdicts[variant]
+        assert verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4, verdict
 
 
 def test_train_bench_arguments():
