@@ -238,6 +238,10 @@ class ChainRunner:
         if record is None and plane.rank == 0 and s.enable_disk_cache:
             record = STORE.records.read_disk(s.cache_dir, key)
         record = plane.broadcast(record if plane.rank == 0 else None, "row split cache lookup")
+        if record is not None and not self._usable(record):  # the same verdict on every rank
+            log.warning("infini_dist: a cached row-split decision does not fit its chain "
+                        "(written by hand or by another version?); timing the chain again")
+            record = None
         if record is not None and record["choice"] == SITES:
             self.decision = dict(record, source="cache")
             return SITES
@@ -268,6 +272,20 @@ class ChainRunner:
         else:
             STORE.split_sites.update((site.site, site.rows) for site in self.sites)
         return mode
+
+    def _usable(self, record) -> bool:
+        """Whether a cached record can decide this chain: site by site, or the split with a
+        way this chain offers at each of its distinct sites."""
+        if not isinstance(record, dict) or record.get("choice") not in (SITES, SPLIT):
+            return False
+        if record["choice"] == SITES:
+            return True
+        try:
+            ways = {u["site"]: u["split"] for u in record["units"]}
+        except (KeyError, TypeError):
+            return False
+        return all(ways.get(indices[0]) in _way_names(self.sites[indices[0]])
+                   for indices in self._units().values())
 
     def _units(self) -> dict[tuple, list[int]]:
         """The chain's distinct sites (ChainSite.unit), each with the indices where it occurs;
@@ -316,6 +334,16 @@ class ChainRunner:
                 "rows": self.sites[0].rows, "sites": len(self.sites)}
 
 
+def _way_names(spec: ChainSite) -> list[str]:
+    """The split's ways at a site: every reader in row parts; _first: the first alone (several
+    readers); _cols: each part's GEMMs in two column parts (widths that stay 16-byte
+    aligned)."""
+    names = [SPLIT] + ([f"{SPLIT}_first"] if len(spec.readers) > 1 else [])
+    if spec.readers and all(n % 16 == 0 for n, _, _ in spec.readers):
+        names += [f"{name}_cols" for name in names]
+    return names
+
+
 def _way(name: str) -> tuple[int | None, int]:
     """A split way's (readers in row parts: None all, column parts) from its name:
     split[_first][_cols]."""
@@ -351,13 +379,8 @@ class _Ways:
             if bias:
                 self.readers.append(rand(n, scale=0.1))
         self.runner, self.index = runner, index
-        # split: every reader in row parts; _first: the first alone (several readers); _cols:
-        # each part's GEMMs in two column parts (widths that stay 16-byte aligned)
         self.choices = [_Way(SITES, lambda: self._both(SITES))]
-        names = [SPLIT] + ([f"{SPLIT}_first"] if len(spec.readers) > 1 else [])
-        if spec.readers and all(n % 16 == 0 for n, _, _ in spec.readers):
-            names += [f"{name}_cols" for name in names]
-        for name in names:
+        for name in _way_names(spec):
             self.choices.append(_Way(name, functools.partial(self._both, SPLIT, *_way(name))))
 
     def _both(self, mode: str, parted: int | None = None, columns: int = 1) -> list:

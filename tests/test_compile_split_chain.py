@@ -255,20 +255,30 @@ def _decide_three_times(rank, world):
     def decide():
         runner = ChainRunner(text, infini_dist.config.snapshot())
         runner._decide([torch.ones(64, 16)])
-        return (runner.mode, runner.decision.get("source"),
-                [(s.parted, s.columns) for s in runner.split], len(timed))
-    first = decide()
+        return runner, (runner.mode, runner.decision.get("source"),
+                        [(s.parted, s.columns) for s in runner.split], len(timed))
+    runner, first = decide()
     STORE.records.clear()  # as a new process: only the disk has the decision
-    second = decide()
+    _, second = decide()
+    # rank 0's record on disk (the one every rank takes) names a way the chain does not offer
+    # at its second site: every rank must time again, not raise or trust it
+    key, cache_dir = runner._cache_key(world, torch.device("cpu")), runner.settings.cache_dir
+    if rank == 0:
+        record = STORE.records.read_disk(cache_dir, key)
+        record["units"][1]["split"] = "split_first"  # one reader there: no _first way
+        STORE.records.write_disk(cache_dir, key, record)
+    STORE.records.clear()
+    _, bad = decide()
     with infini_dist.config.patch(fusion_speedup_threshold=1.5):  # a flag the key holds
-        third = decide()
-    return first, second, third
+        _, third = decide()
+    return first, second, bad, third
 
 
 def test_a_chains_decision_is_cached_on_disk_and_agreed():
     """The first process times (two distinct sites), a later one takes rank 0's record from
-    disk with each site's way, untimed; other decision flags time again."""
+    disk with each site's way, untimed; a record that does not fit the chain is timed again;
+    other decision flags time again."""
     results = run_ranks(_decide_three_times, 2, timeout=120)
     cols = [(None, 2)] * 4
     assert results == [(("split", None, cols, 2), ("split", "cache", cols, 2),
-                        ("split", None, cols, 4))] * 2
+                        ("split", None, cols, 4), ("split", None, cols, 6))] * 2

@@ -10,6 +10,8 @@ as well), then:
   the run without graphs;
 - every rank's logits bitwise equal (each row is reduced by one rank and copied);
 - the chain's four split sites hold two sets of buffers (sites k and k + 2 share one);
+- the graphed compile's chain runner is a fresh one: it takes the decision from the decision
+  cache, untimed, with each site's way, and builds its buffers from it;
 - then a chain decided by its own timings (no hook): whatever it commits, the logits match.
 """
 
@@ -46,6 +48,7 @@ def _split_wins():
         return {n: base.get(n.removesuffix("_cols"), 5.0)
                 + (0.0 if n == "sites" or n.endswith("_cols") == cols else 0.25)
                 for n in medians}
+    hook.chain_sites = chain_sites  # how many chain sites it timed
     return hook
 
 
@@ -71,7 +74,7 @@ def _rank(rank, world, path):
     infini_dist.config.matmul_prologue = True
     with torch.no_grad():
         eager = [_logits(model, ids) for ids in inputs]
-        STORE.timing_hook = _split_wins()
+        STORE.timing_hook = hook = _split_wins()
         with idc.recording() as graphs:
             compiled = idc.compile_model(model, recompile_decided=False)
             plain = [_logits(compiled, ids) for ids in inputs]
@@ -82,6 +85,8 @@ def _rank(rank, world, path):
                                  for r in STORE.chains.values() if r.split]
         report["rel_eager"] = [_rel(p, e) for p, e in zip(plain, eager)]
         torch._dynamo.reset()
+        timed, ways = len(hook.chain_sites), report["ways"]
+        STORE.chains.clear()  # as in a new process, where only the decision cache knows
         graphed = idc.compile_model(model, mode="reduce-overhead", recompile_decided=False)
         first, mismatches, rel = [None, None], 0, []
         for _ in range(3):
@@ -93,6 +98,13 @@ def _rank(rank, world, path):
                 mismatches += int(not torch.equal(out, first[i]))
                 rel.append(_rel(out, plain[i]))
         report["graph_mismatches"], report["rel_graph_vs_plain"] = mismatches, max(rel)
+        (cached,) = chain_decisions()
+        report["cached"] = {"source": cached.get("source"), "mode": cached.get("mode"),
+                            "timed_again": len(hook.chain_sites) - timed,
+                            "same_ways": ways == sorted({u["split"] for u in cached["units"]}),
+                            "split_ways": sorted((r.split[i].parted, r.split[i].columns)
+                                                 for r in STORE.chains.values()
+                                                 for i in range(len(r.split)))}
         STORE.timing_hook = None
         torch._dynamo.reset()
         with infini_dist.config.patch(fusion_speedup_threshold=1.0001):  # a fresh chain runner
@@ -118,6 +130,10 @@ def test_hf_llama_prefill_as_a_row_split_chain_on_two_gpus(tmp_path):
         assert r["chains"] == [1] and r["decisions"] == ["split"], r
         assert any(w.endswith("_cols") for w in r["ways"]), r["ways"]
         assert r["buffer_sets"] == [2], r["buffer_sets"]  # sites k and k + 2 share
+        cached = r["cached"]
+        assert cached["source"] == "cache" and cached["mode"] == "split", cached
+        assert cached["timed_again"] == 0 and cached["same_ways"], cached
+        assert {c for _, c in cached["split_ways"]} == {1, 2}, cached  # the ways were set
         assert any(not w.endswith("_cols") for w in r["ways"]), r["ways"]
         assert max(r["rel_eager"]) < 2e-2, r["rel_eager"]
         assert r["graph_mismatches"] == 0 and r["rel_graph_vs_plain"] < 1e-2, r
