@@ -70,7 +70,7 @@ def _fusion_types(name, value):
     return tuple(t for t in FUSION_TYPES if t in value)  # canonical order, no duplicates
 
 
-def check_agree_mode(name, value):
+def check_bool_or_auto(name, value):
     if isinstance(value, bool) or value == AUTO:
         return value
     raise ValueError(f"{name} must be True, False or {AUTO!r}, got {value!r}")
@@ -103,10 +103,12 @@ FLAGS = {
     "enable_recursive_fusion": (True, check_bool),
     "max_fusion_depth": (5, check_nonneg_int),  # GPT-NeoX: 2 bias adds, 2 adds, LayerNorm
     # The compile pass also takes the matmul (mm, addmm, linear) that produces an all_reduce's
-    # input into the site, as its prologue (GEMM + all_reduce overlap). Off until measured on
-    # GPUs: on, every row-parallel projection joins its site, which changes the sites of every
-    # compiled model and what tuning them costs.
-    "matmul_prologue": (False, check_bool),
+    # input into the site, as its prologue (GEMM + all_reduce overlap). "auto": only in graphs
+    # that Inductor captures in CUDA graphs (mode="reduce-overhead" or "max-autotune") on CUDA
+    # tensors. There it wins prefill and holds decode on 2 GPUs; in a graph run launch by
+    # launch a site with its GEMM costs more host time (two launches, not made from C++), which
+    # made a training step 2-16% slower (docs/benchmarks.md, session 34).
+    "matmul_prologue": (AUTO, check_bool_or_auto),
     # With matmul_prologue: consecutive prefill sites whose residual runs from one to the next
     # become one row-split chain (compile/chain_match.py), which runs site by site or with each
     # all-reduce split under the GEMMs beside it, as timing the two in lockstep decides.
@@ -128,7 +130,7 @@ FLAGS = {
     "token_buckets": ((), _token_buckets),
     "max_token_bucket": (8192, check_positive_int),
     "tune_at_request_time": (True, check_bool),
-    "agree_every_call": (AUTO, check_agree_mode),
+    "agree_every_call": (AUTO, check_bool_or_auto),
     # Kernel launch knobs for experiments (the engine passes them to kernels/ explicitly). They
     # shape launches, so they must be the same on every rank. symm_timeout_s: a symmetric-memory
     # kernel waiting longer for a peer traps instead of hanging. symm_group_items /

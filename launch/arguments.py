@@ -75,11 +75,14 @@ def add_model_sizes(parser, layers: int, **more: int) -> None:
 
 
 def add_matmul_prologue(parser) -> None:
-    """--matmul-prologue: the model benchmarks' switch for config.matmul_prologue."""
-    parser.add_argument("--matmul-prologue", action="store_true",
-                        help="the pass also takes each row-parallel matmul into its site "
-                             "(config.matmul_prologue, off by default; also "
-                             "INFINI_DIST_MATMUL_PROLOGUE=1): GEMM + all_reduce overlap")
+    """--[no-]matmul-prologue: the model benchmarks' switch for config.matmul_prologue (None:
+    the config's value)."""
+    parser.add_argument("--matmul-prologue", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="the pass also takes each row-parallel matmul into its site, or "
+                             "not (config.matmul_prologue; default: the config's value, 'auto', "
+                             "on where Inductor captures CUDA graphs; also "
+                             "INFINI_DIST_MATMUL_PROLOGUE=1/0/auto): GEMM + all_reduce overlap")
 
 
 def add_decode_shapes(parser, batches: str) -> None:

@@ -342,8 +342,8 @@ def main(argv=None) -> int:
     device, dtype, control = setup(args)
     rank = dist.get_rank()
     import infini_dist
-    if args.matmul_prologue:
-        infini_dist.config.matmul_prologue = True
+    if args.matmul_prologue is not None:
+        infini_dist.config.matmul_prologue = args.matmul_prologue
     if rank == 0:
         print(f"TP={dist.get_world_size()} {device.type} {dtype}, transformers TP, "
               f"families {args.families}; inductor = torch.compile(mode={args.mode!r}), "

@@ -20,8 +20,9 @@ infini_dist_overlap: the same two with Inductor's compute/communication overlap 
 OVERLAP; infini_dist_forward_overlap: the latter with config.backward_sites off;
 infini_dist_wgrad: the pass with the "overlap" fusion type, each backward site running its
 weight-gradient GEMMs beside its all_reduce, asked for by --variants;
-infini_dist_matmul_prologue: the pass with config.matmul_prologue on, asked for by --variants
-beside infini_dist for the flag's A/B in one run; collective_free:
+infini_dist_matmul_prologue: the pass with config.matmul_prologue on (its "auto" leaves it off
+in these graphs, which run without CUDA graphs), asked for by --variants beside infini_dist for
+the flag's A/B in one run; collective_free:
 torch.compile(model) with every collective of its forward and backward graphs a local no-op,
 the floor of issue #27's target, launch/collective_free.py), a fresh model with the same
 weights trains --steps steps;
@@ -206,12 +207,11 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
     model = TrainDecoder(args.model, dist.group.WORLD, device, dtype)  # seeded: same weights
     floor = collective_free.CollectiveFree()
     types = infini_dist.config.custom_op_fusion_types
-    # the flag or INFINI_DIST_MATMUL_PROLOGUE (config's own default)
-    matmul_prologue = args.matmul_prologue or infini_dist.config.matmul_prologue
     # the whole variant under its settings: the sites look their executors up by them
     with infini_dist.config.patch(benchmark_cuda_graphs=variant != "infini_dist_eager_timing",
                                   backward_sites=variant != "infini_dist_forward_overlap",
-                                  matmul_prologue=matmul_prologue or variant == MATMUL,
+                                  matmul_prologue=True if variant == MATMUL
+                                  else infini_dist.config.matmul_prologue,
                                   custom_op_fusion_types=types + ("overlap",) * (
                                       variant == WGRAD)):
         if variant == "inductor":
@@ -357,6 +357,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     import infini_dist
     args = parse_args(argv)
+    if args.matmul_prologue is not None:
+        infini_dist.config.matmul_prologue = args.matmul_prologue
     device, dtype, control = setup(args)
     tol = args.tol if args.tol is not None else (2e-2 if dtype == torch.bfloat16 else 1e-4)
     rows = [run_variant(v, tokens, optimizer, args, device, dtype, control)
@@ -369,7 +371,7 @@ def main(argv=None) -> int:
         meta = {"world_size": dist.get_world_size(), "model": asdict(args.model),
                 "dtype": str(dtype).replace("torch.", ""), "steps": args.steps,
                 "warmup": args.warmup, "lr": args.lr, "tol": tol, "torch": torch.__version__,
-                "matmul_prologue": args.matmul_prologue or infini_dist.config.matmul_prologue,
+                "matmul_prologue": infini_dist.config.matmul_prologue,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AUTO = "auto"  # agree_every_call: on for CPU tensors or TORCH_DISTRIBUTED_DEBUG=DETAIL
+# agree_every_call: on for CPU tensors or TORCH_DISTRIBUTED_DEBUG=DETAIL; matmul_prologue: on in
+# graphs Inductor captures in CUDA graphs (infini_dist/compile/passes.py)
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -15,7 +17,7 @@ class Settings:
     custom_op_fusion_types: tuple
     enable_recursive_fusion: bool
     max_fusion_depth: int
-    matmul_prologue: bool
+    matmul_prologue: bool | str
     row_split: bool
     backward_sites: bool
     fusion_speedup_threshold: float

@@ -1,5 +1,6 @@
 """The matmul prologue (config.matmul_prologue): the pass takes the mm / addmm / linear that
-makes an all_reduce's input into the site only with the flag on, the IR makes it the head of
+makes an all_reduce's input into the site only with the flag on (or "auto", the default, in a
+graph Inductor captures in CUDA graphs on CUDA tensors), the IR makes it the head of
 the prologue chain, the choices cover (a) the matmul natively then every all-reduce choice,
 (b) gemm_one_shot and (c) torch's fused matmul + reduce-scatter, and a compiled TP block with
 the flag on matches eager on gloo ranks."""
@@ -34,19 +35,49 @@ def mm(x, w, r):
     return ar(torch.mm(x, w)) + r
 
 
-def test_the_flag_is_off_by_default_validated_and_in_the_pass_uuid():
+def test_the_flag_is_auto_by_default_validated_and_in_the_pass_uuid():
     import infini_dist
     from infini_dist.compile import FUSION_PASS
     from infini_dist.config import parse_env
-    assert infini_dist.config.matmul_prologue is False
-    with pytest.raises(TypeError, match="matmul_prologue"):
-        infini_dist.config.matmul_prologue = 1
+    assert infini_dist.config.matmul_prologue == "auto"
+    for bad in (1, "on"):
+        with pytest.raises((TypeError, ValueError), match="matmul_prologue"):
+            infini_dist.config.matmul_prologue = bad
     assert parse_env("matmul_prologue", "on") is True
+    assert parse_env("matmul_prologue", "AUTO") == "auto"
     with pytest.raises(ValueError, match="INFINI_DIST_MATMUL_PROLOGUE"):
         parse_env("matmul_prologue", "sometimes")
     before = FUSION_PASS.uuid()
-    with infini_dist.config.patch(matmul_prologue=True):
-        assert FUSION_PASS.uuid() != before  # Inductor's FX graph cache keeps them apart
+    for value in (True, False):
+        with infini_dist.config.patch(matmul_prologue=value):
+            assert FUSION_PASS.uuid() != before  # Inductor's FX graph cache keeps them apart
+
+
+def _on_cuda(gm):
+    """`gm` as the pass sees a graph of CUDA tensors: every node's fake value on cuda:0 (made by
+    the graph's own fake mode, which the pass's shape propagation shares)."""
+    with gm.graph.find_nodes(op="placeholder")[0].meta["val"].fake_mode:
+        for node in gm.graph.nodes:
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                node.meta["val"] = torch.empty_strided(value.shape, value.stride(),
+                                                       dtype=value.dtype, device="cuda")
+    return gm
+
+
+@pytest.mark.parametrize("cudagraphs,cuda,taken", [(True, True, True), (False, True, False),
+                                                   (True, False, False)])
+def test_auto_takes_the_matmul_only_in_cuda_graphs_on_cuda(cudagraphs, cuda, taken):
+    """"auto": the GEMM joins the site only where Inductor captures the graph in CUDA graphs
+    (mode="reduce-overhead" sets triton.cudagraphs for its compile) and the tensors are on
+    CUDA; else the site is the one without the flag."""
+    import torch._inductor.config as inductor_config
+    fn, args = linear_3d, CASES[0][1]
+    gm = export(fn, *args)
+    with inductor_config.patch({"triton.cudagraphs": cudagraphs}):
+        (site,) = fuse(_on_cuda(gm) if cuda else gm, matmul_prologue="auto")
+    ops = ops_of(site)
+    assert ops[:2] == ["matmul", "all_reduce"] if taken else ops[0] == "all_reduce", ops
 
 
 X3, X2 = (2, 4, 8), (4, 8)

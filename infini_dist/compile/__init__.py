@@ -10,8 +10,8 @@ all_reduce (or registered user op, matched by its 'ns::op' name) and the ops aro
 `infini_dist::fused_site` call that the engine tunes at run time. Flags it obeys, read when a
 graph is compiled: `enable_custom_op_fusion` (off: graphs untouched), `custom_op_fusion_types`
 ('prologue', 'epilogue', 'cross_subgraph'), `max_fusion_depth` (IR ops captured per chain),
-`matmul_prologue` (the mm / addmm / linear feeding an all_reduce joins its site; off by
-default), `row_split` (with matmul_prologue, prefill sites join into row-split chains:
+`matmul_prologue` (the mm / addmm / linear feeding an all_reduce joins its site; "auto", the
+default: only in graphs Inductor captures in CUDA graphs on CUDA tensors), `row_split` (with matmul_prologue, prefill sites join into row-split chains:
 compile/chain_match.py), `backward_sites` (off: backward graphs' collectives stay Inductor's).
 They are part
 of the pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo does not

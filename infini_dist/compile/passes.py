@@ -25,10 +25,11 @@ import functools
 import hashlib
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -39,7 +40,7 @@ from infini_dist.compile import scatter_gather_match
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, algorithms_for
 from infini_dist.scheduler.ir import OpNode, SubGraph, subgraph_from_text
-from infini_dist.scheduler.settings import Settings
+from infini_dist.scheduler.settings import AUTO, Settings
 from infini_dist.scheduler.store import STORE
 
 log = logging.getLogger("infini_dist")
@@ -159,6 +160,8 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
                                                 and not settings.backward_sites):
         return GraphRecord(kind, collectives, ())
     custom = anchors.anchor_names()
+    # what the sites are matched under: matmul_prologue "auto" made True or False for this graph
+    matching_settings = replace(settings, matmul_prologue=_matmul_prologue(graph, settings))
     replaced: list[str] = []
     native = 0
     skipped: set = set()
@@ -179,8 +182,8 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
             continue
         index = matching.GraphIndex(graph, custom)
         kind_module = _KINDS.get(found.op_type, matching)
-        site, text, inputs, outputs = _to_write(kind_module.find_site(index, found, settings),
-                                                settings)
+        site, text, inputs, outputs = _to_write(
+            kind_module.find_site(index, found, matching_settings), settings)
         if (text is not None and len(site.ops) == 1 and not kind_module.RUNS_ALONE
                 and not (found.op_type in scatter_gather_match.ALONE_WHERE_OURS
                          and _ours_alone(found, text, inputs, outputs))):
@@ -192,7 +195,7 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
             continue
         _replace(graph, site, index, text, inputs, outputs)
         replaced.append(text)
-    chains = chain_match.rewrite_chains(graph) if (settings.matmul_prologue
+    chains = chain_match.rewrite_chains(graph) if (matching_settings.matmul_prologue
                                                    and settings.row_split) else []
     if replaced:
         graph.lint()
@@ -228,6 +231,18 @@ def _ours_alone(anchor: anchors.FxOp, text: str, inputs: list, outputs: list) ->
     ctx = RunContext(None, anchor.attrs.get("group_size", 1), 0, device)
     span = FusedSpan(sub, (), (0,), ())
     return any(a.supports(span, meta, ctx) for a in algorithms_for(anchor.op_type, device.type))
+
+
+def _matmul_prologue(graph: fx.Graph, settings: Settings) -> bool:
+    """config.matmul_prologue for this graph. "auto": where Inductor captures it in CUDA graphs
+    (this compile's inductor config, which mode="reduce-overhead" sets) and its tensors are on
+    CUDA, since replays hide the host time that a site with its GEMM adds (config.py)."""
+    if settings.matmul_prologue != AUTO:
+        return settings.matmul_prologue
+    if not torch._inductor.config.triton.cudagraphs:
+        return False
+    return any(isinstance(value, torch.Tensor) and value.device.type == "cuda"
+               for value in (node.meta.get("val") for node in graph.find_nodes(op="placeholder")))
 
 
 def _describe(graph: fx.Graph) -> tuple[str, tuple[str, ...]]:

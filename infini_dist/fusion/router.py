@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import infini_dist
-from infini_dist.config import (FLAGS, Settings, check_agree_mode, check_bool, check_nonneg_int,
-                                check_positive_int)
+from infini_dist.config import (FLAGS, Settings, check_bool, check_bool_or_auto,
+                                check_nonneg_int, check_positive_int)
 from infini_dist.fusion.agreement import agree_route, route_key
 from infini_dist.scheduler import choices, engine, every_call
 from infini_dist.scheduler import op_registry
@@ -51,7 +51,7 @@ def _check_whitelist(name: str, value: Any) -> tuple[str, ...] | None:
 
 
 def _check_agree_mode(name: str, value: Any):
-    return None if value is None else check_agree_mode(name, value)  # None: follow config
+    return None if value is None else check_bool_or_auto(name, value)  # None: follow config
 
 
 _FIELD_CHECKS = {
