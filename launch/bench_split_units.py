@@ -9,8 +9,8 @@ dim 128), in the two layouts users run:
   hf_o_proj    o_proj's site, its norm read by gate_proj and up_proj apart (transformers)
   hf_down      down_proj's site, its norm read by q_proj, k_proj and v_proj apart
   fused_o_proj / fused_down   the same with gate_up and qkv fused (our TP decoder)
-Each site runs as scheduler/split_chain.py's decision runs it (`_Ways`: site by site, split,
-split_first, the _cols variants), under CUDA-graph replay in lockstep, µs per site and its
+Each site runs as scheduler/split_chain.py's decision runs it (scheduler/split_ways.py: site
+by site, split, split_first, the _cols variants), under CUDA-graph replay in lockstep, µs per site and its
 readers, max over ranks, `--repeat` times. The GEMM table (rank 0 alone, the same graph
 timing): the reader GEMM over all rows, in the split's row parts, and in row parts cut again
 by columns (what the _cols variants run), the rows of h = rows x 4096 bf16.
@@ -29,17 +29,21 @@ from infini_dist.launch.arguments import positive_int
 from infini_dist.scheduler import benchmark, lockstep
 from infini_dist.scheduler.choices import RunContext
 from infini_dist.scheduler.control import control_plane
-from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, _Ways, chain_text
+from infini_dist.scheduler.ir import OpNode, SubGraph
+from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, chain_text
+from infini_dist.scheduler.split_ways import Ways
 
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 
 
 def site_text(group_name: str) -> str:
-    """The engine's text of a matmul -> all_reduce -> add_rms_norm site, as the pass writes it."""
-    return ('{"inputs":["in0","in1","in2","in3"],"nodes":[["matmul",["in0","in1"],["v0"],'
-            '[["transpose_weight",true]]],["all_reduce",["v0"],["v1"],[["group_name","%s"],'
-            '["op","sum"]]],["add_rms_norm",["v1","in2","in3"],["v2","v3"],[["eps",'
-            '{"float":"1e-06"}]]]],"outputs":["v2","v3"]}' % group_name)
+    """The engine's text of a matmul -> all_reduce -> add_rms_norm site, serialized as the pass
+    serializes its sites (SubGraph.canonical)."""
+    return SubGraph((OpNode("matmul", ("in0", "in1"), ("v0",), {"transpose_weight": True}),
+                     OpNode("all_reduce", ("v0",), ("v1",), {"group_name": group_name,
+                                                             "op": "sum"}),
+                     OpNode("add_rms_norm", ("v1", "in2", "in3"), ("v2", "v3"), {"eps": 1e-6})),
+                    ("in0", "in1", "in2", "in3"), ("v2", "v3")).canonical()
 
 
 def units(group_name: str, rows: int, world: int) -> dict[str, ChainSite]:
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
         runner = ChainRunner(chain_text(group.group_name, torch.bfloat16, [spec]), settings)
         with plane.lock:
             runner._build(group, device, plane)
-        ways = _Ways(runner, 0, device)
+        ways = Ways(runner, 0, device)
         ways.first_run()
         runs = [lockstep.time_choices(settings, ways.choices, None, ctx, plane)
                 for _ in range(args.repeat)]

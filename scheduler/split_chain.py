@@ -49,11 +49,11 @@ from infini_dist.scheduler.engine import site_executor
 from infini_dist.scheduler.ir import subgraph_from_text
 from infini_dist.scheduler.setup_thread import run_aside
 from infini_dist.scheduler.split_site import Flags, SplitSite, gemm
+from infini_dist.scheduler.split_ways import SITES, SPLIT, Ways, way, way_names
 from infini_dist.scheduler.store import STORE
 
 log = logging.getLogger("infini_dist")
 
-SITES, SPLIT = "sites", "split"
 # The split's buffers grow with rows (two sets, whatever the sites: 112 MiB at 2048 rows of
 # 4096 bf16 at TP = 2); past this share of the device's memory the chain runs site by site.
 MAX_MEMORY_SHARE = 0.1
@@ -255,7 +255,7 @@ class ChainRunner:
             ways = {u["site"]: u["split"] for u in record["units"]}
             for indices in self._units().values():
                 for index in indices:
-                    self.split[index].parted, self.split[index].columns = _way(ways[indices[0]])
+                    self.split[index].parted, self.split[index].columns = way(ways[indices[0]])
             self.decision = dict(record, source="cache")
         else:
             self.decision = self._time_units(group, device, plane, world)
@@ -284,7 +284,7 @@ class ChainRunner:
             ways = {u["site"]: u["split"] for u in record["units"]}
         except (KeyError, TypeError):
             return False
-        return all(ways.get(indices[0]) in _way_names(self.sites[indices[0]])
+        return all(ways.get(indices[0]) in way_names(self.sites[indices[0]])
                    for indices in self._units().values())
 
     def _units(self) -> dict[tuple, list[int]]:
@@ -312,13 +312,13 @@ class ChainRunner:
         totals = {SITES: 0.0, SPLIT: 0.0}
         units = []
         for indices in self._units().values():
-            ways = _Ways(self, indices[0], device)
+            ways = Ways(self, indices[0], device)
             lockstep.agreed(s, plane, "row split first run", ways.first_run)
             worst = {c.name: math.inf for c in ways.choices}  # a way that failed to time
             worst.update(lockstep.worst_medians(s, ways.choices, None, ctx, plane))
             best = min((c for c in ways.choices if c.name != SITES), key=lambda c: worst[c.name])
             for index in indices:
-                self.split[index].parted, self.split[index].columns = _way(best.name)
+                self.split[index].parted, self.split[index].columns = way(best.name)
             units.append({"site": indices[0], "count": len(indices), "times_s": worst,
                           "split": best.name})
             totals[SITES] += worst[SITES] * len(indices)
@@ -332,78 +332,6 @@ class ChainRunner:
                      totals[SPLIT] * 1e6, totals[SITES] * 1e6)
         return {"mode": mode, "totals_s": totals, "units": units, "world": world,
                 "rows": self.sites[0].rows, "sites": len(self.sites)}
-
-
-def _way_names(spec: ChainSite) -> list[str]:
-    """The split's ways at a site: every reader in row parts; _first: the first alone (several
-    readers); _cols: each part's GEMMs in two column parts (widths that stay 16-byte
-    aligned)."""
-    names = [SPLIT] + ([f"{SPLIT}_first"] if len(spec.readers) > 1 else [])
-    if spec.readers and all(n % 16 == 0 for n, _, _ in spec.readers):
-        names += [f"{name}_cols" for name in names]
-    return names
-
-
-def _way(name: str) -> tuple[int | None, int]:
-    """A split way's (readers in row parts: None all, column parts) from its name:
-    split[_first][_cols]."""
-    return (1 if "_first" in name else None), (2 if name.endswith("_cols") else 1)
-
-
-class _Way:
-    """One way of running a site for lockstep.time_choices: a name and run(values)."""
-
-    def __init__(self, name: str, run):
-        self.name, self._run = name, run
-
-    def run(self, _values):
-        return self._run()
-
-
-class _Ways:
-    """Site `index` of a chain both ways, on random values of its sizes (never zeros)."""
-
-    def __init__(self, runner: ChainRunner, index: int, device):
-        spec, dtype = runner.sites[index], runner.dtype
-        g = torch.Generator(device=device).manual_seed(1234 + index)
-
-        def rand(*shape, scale=1.0):
-            return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
-        w_shape = (spec.hidden, spec.k) if spec.transpose else (spec.k, spec.hidden)
-        self.inputs = [rand(spec.rows, spec.k), rand(*w_shape, scale=spec.k ** -0.5),
-                       rand(spec.rows, spec.hidden), 1 + rand(spec.hidden, scale=0.1)]
-        self.readers = []
-        for n, transpose, bias in spec.readers:
-            self.readers.append(rand(*((n, spec.hidden) if transpose else (spec.hidden, n)),
-                                     scale=spec.hidden ** -0.5))
-            if bias:
-                self.readers.append(rand(n, scale=0.1))
-        self.runner, self.index = runner, index
-        self.choices = [_Way(SITES, lambda: self._both(SITES))]
-        for name in _way_names(spec):
-            self.choices.append(_Way(name, functools.partial(self._both, SPLIT, *_way(name))))
-
-    def _both(self, mode: str, parted: int | None = None, columns: int = 1) -> list:
-        """The site and its readers `mode`'s way (split: the first `parted` readers in parts,
-        each in `columns` column parts)."""
-        runner = self.runner
-        saved, runner.mode = runner.mode, mode
-        if mode == SPLIT:
-            runner.split[self.index].parted = parted
-            runner.split[self.index].columns = columns
-        try:
-            h = runner.site(self.index, self.inputs)[0]
-            outs = runner.read(self.index, [h] + self.readers)
-            if mode == SPLIT:  # a capture must end joined; the chain joins once, at its end
-                torch.cuda.current_stream().wait_stream(runner.copy_stream)
-            return outs
-        finally:
-            runner.mode = saved
-
-    def first_run(self) -> None:
-        """Both ways once: the site's own tuning, the kernels' compiles."""
-        for choice in self.choices:
-            choice.run(None)
 
 
 def chain_runner(text: str, settings) -> ChainRunner:

@@ -1,5 +1,5 @@
 """launch/bench_split_units.py's sites (Llama-3-8B at TP = world, both layouts) and the ways
-the chain times each (scheduler/split_chain._Ways): the split's variants, the column parts only
+the chain times each (scheduler/split_ways.Ways): the split's variants, the column parts only
 where every reader's width stays 16-byte aligned in halves. The timing itself needs GPUs."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 
 from infini_dist.launch.bench_split_units import units
 from infini_dist.scheduler.ir import subgraph_from_text
-from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, _Ways, chain_text
+from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, chain_text
+from infini_dist.scheduler.split_ways import Ways
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +29,7 @@ def test_units_are_llama_3_8b_sites_at_tp(world):
 
 def _ways(site):
     runner = ChainRunner(chain_text("g0", torch.float32, [site]), None)
-    return [c.name for c in _Ways(runner, 0, torch.device("cpu")).choices]
+    return [c.name for c in Ways(runner, 0, torch.device("cpu")).choices]
 
 
 def test_the_chain_times_the_splits_variants_per_site():

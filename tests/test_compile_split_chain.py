@@ -234,7 +234,7 @@ def _decide_three_times(rank, world):
 
     import torch.distributed as dist
 
-    from infini_dist.scheduler import lockstep, split_chain
+    from infini_dist.scheduler import lockstep, split_ways
     from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, chain_text
     from infini_dist.scheduler.store import STORE
     site = ChainSite("{}", 64, 16, 16, True, 1e-6, True, ((32, True, False), (32, True, False)))
@@ -247,7 +247,7 @@ def _decide_three_times(rank, world):
         return {c.name: {"sites": 3.0, "split_cols": 1.0}.get(c.name, 2.0) for c in choices}
     # What needs a GPU (the buffers, the runs, the timing) is stood in for; the rest is real.
     lockstep.worst_medians = worst_medians
-    split_chain._Ways.first_run = lambda self: None
+    split_ways.Ways.first_run = lambda self: None
     ChainRunner._build = lambda self, group, device, plane: setattr(
         self, "split", [types.SimpleNamespace(parted=None, columns=1) for _ in self.sites])
     ChainRunner._unsupported = lambda self, device, world: None
