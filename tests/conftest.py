@@ -16,11 +16,38 @@ def isolated_cache(tmp_path, monkeypatch):
     DECISIONS.clear()
 
 
+# Set before Inductor is imported anywhere: its config reads them once, at import. Every test,
+# rank and launched job of the session inherits them (xdist workers start from this environment).
+INDUCTOR_SESSION_ENV = {
+    # Tests count what the compile pass did (sites, graphs recorded), so a graph must never be
+    # served from a cache that skips the pass: another rank, test or earlier run may have
+    # stored the same graph. test_compile_tp's FX-graph-cache test turns them back on for its
+    # own per-rank cache dirs.
+    "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+    "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+}
+
+
 def pytest_configure(config):
     # Interpreted kernels run here too (a test that sets TRITON_INTERPRET itself); rank and pool
     # processes install it on their own (multirank.py, interpreter_worker.py).
     from interpreter_patches import skip_nested_language_patches
     skip_nested_language_patches()
+    if not hasattr(config, "workerinput"):  # the session's first process: xdist's controller
+        _share_inductor_code_cache(config)
+
+
+def _share_inductor_code_cache(config):
+    """One Inductor cache dir for the whole session. With the FX graph and AOTAutograd caches
+    off, what it shares is compiled code (C++ .so files by source hash, under a file lock per
+    hash) and the precompiled ATen header: each test, rank and launched job compiled the same
+    kernels again in a dir of its own, most of the CPU run's time. The pass still runs on
+    every graph. Fresh per session, so a run's time does not depend on what ran before."""
+    import shutil
+    import tempfile
+    path = tempfile.mkdtemp(prefix="infini_dist_inductor_")
+    os.environ.update(INDUCTOR_SESSION_ENV, TORCHINDUCTOR_CACHE_DIR=path)
+    config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config, items):

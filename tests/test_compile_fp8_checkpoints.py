@@ -16,7 +16,7 @@ import torch
 
 from multirank import run_ranks
 from symm_cases import fp8_error
-from test_compile_tp import _ar, _env, _own_inductor_cache
+from test_compile_tp import _ar, _env, _one_compile_thread
 
 FP8 = torch.float8_e4m3fn
 SHAPE = (2, 4, 32)
@@ -129,7 +129,7 @@ def fp8_rank(rank, world, names):
 
     import infini_dist.compile as idc
     from infini_dist.scheduler.store import STORE
-    _own_inductor_cache(rank)
+    _one_compile_thread()
     group = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(SHAPE, generator=gen)
@@ -175,10 +175,9 @@ GROUPS = {"static": ["float", "buffer", "parameter", "graph_input", "made_in_for
 
 
 @pytest.fixture(scope="module", params=sorted(GROUPS))
-def compiled(request, tmp_path_factory):
+def compiled(request):
     names = GROUPS[request.param]
-    env = _env(tmp_path_factory.mktemp(request.param))
-    results = run_ranks(fp8_rank, 2, names, env=env, timeout=540)
+    results = run_ranks(fp8_rank, 2, names, env=_env(), timeout=540)
     return names, results
 
 

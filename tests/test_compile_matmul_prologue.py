@@ -214,9 +214,9 @@ def tp_block_rank(rank, world):
             "decided": [(d["op"], d["choice"]) for d in idc.decisions()]}
 
 
-def test_tp_block_with_the_matmul_prologue_compiled_with_inductor(tmp_path):
+def test_tp_block_with_the_matmul_prologue_compiled_with_inductor():
     from infini_dist.scheduler.ir import subgraph_from_text
-    results = run_ranks(tp_block_rank, 2, env=_env(tmp_path), timeout=240)
+    results = run_ranks(tp_block_rank, 2, env=_env(), timeout=240)
     for r in results:
         assert r["tp_vs_full"] < 1e-5
         subs = [subgraph_from_text(t) for t in r["sites"]]

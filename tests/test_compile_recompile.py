@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from multirank import run_ranks
-from test_compile_tp import _ar, _own_inductor_cache
+from test_compile_tp import _ar, _one_compile_thread
 from test_native import EPS, _slow_fused
 
 
@@ -32,7 +32,7 @@ def recompile_rank(rank, world_size):
     import infini_dist.compile as idc
     from infini_dist.scheduler.store import STORE
 
-    _own_inductor_cache(rank)
+    _one_compile_thread()
     group = dist.group.WORLD.group_name
     module = Block(group)
 
@@ -81,8 +81,8 @@ def recompile_rank(rank, world_size):
     return result
 
 
-def test_compile_model_recompiles_once_sites_decide(tmp_path):
-    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "INDUCTOR_CACHE_BASE": str(tmp_path / "ind")}
+def test_compile_model_recompiles_once_sites_decide():
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
     for r in run_ranks(recompile_rank, 2, env=env, timeout=400):
         # call 1 compiles the whole site; it decides native. Call 2 compiles again: the
         # all_reduce alone is ours, and decides native. Call 3: Inductor's code only. Then

@@ -12,7 +12,7 @@ import torch
 
 from fx_graphs import FUSED, c10d, export, fuse, llama_norm, ops_of, rand
 from multirank import run_ranks
-from test_compile_tp import _env, _own_inductor_cache
+from test_compile_tp import _env, _one_compile_thread
 
 
 def rs(x, group="g0", size=2):
@@ -187,7 +187,7 @@ def sp_training_rank(rank, world):
 
     import infini_dist.compile as idc
     from infini_dist.launch import sp_model
-    _own_inductor_cache(rank)
+    _one_compile_thread()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # the same full weights and input on every rank
     full = sp_model.Model()
@@ -216,9 +216,9 @@ def sp_training_rank(rank, world):
             "grads": max(float((grads[n] - e_grads[n]).abs().max()) for n in grads)}
 
 
-def test_tp_tutorial_sequence_parallel_trains_with_the_pass(tmp_path):
+def test_tp_tutorial_sequence_parallel_trains_with_the_pass():
     from infini_dist.scheduler.ir import subgraph_from_text
-    results = run_ranks(sp_training_rank, 2, env=_env(tmp_path), timeout=300)
+    results = run_ranks(sp_training_rank, 2, env=_env(), timeout=300)
     for r in results:
         assert r["eager_vs_full"] < 1e-5  # the sharding itself is right
         assert r["out"] < 1e-5 and r["x_grad"] < 1e-5 and r["grads"] < 1e-5

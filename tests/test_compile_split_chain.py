@@ -17,7 +17,7 @@ import infini_dist
 from fx_graphs import ar, export, fuse, llama_norm, rand
 from hf_llama import save_llama
 from multirank import run_ranks
-from test_compile_tp import _env, _own_inductor_cache
+from test_compile_tp import _env, _one_compile_thread
 
 SPLIT_SITE = "infini_dist.split_site.default"
 SPLIT_READ = "infini_dist.split_read.default"
@@ -180,7 +180,7 @@ def llama_rank(rank, world, path):
     import infini_dist.compile as idc
     from infini_dist.launch.bench_hf import tp_load_kwargs
     from infini_dist.scheduler.split_chain import chain_decisions, parse_chain
-    _own_inductor_cache(rank)
+    _one_compile_thread()
     os.environ["WORLD_SIZE"] = str(world)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  **tp_load_kwargs()).eval()
@@ -200,7 +200,7 @@ def test_hf_llama_prefill_compiles_into_one_chain_on_gloo(tmp_path):
     path = save_llama(str(tmp_path / "llama"), hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       vocab_size=128, max_position_embeddings=1024)
-    results = run_ranks(llama_rank, 2, path, env=_env(tmp_path), timeout=400)
+    results = run_ranks(llama_rank, 2, path, env=_env(), timeout=400)
     for r in results:
         assert r["chains"] == [4], r["chains"]  # o_proj and down of each layer
         (decision,) = r["decisions"]

@@ -2,8 +2,9 @@
 parallelism and compiled by Inductor, hand-written funcol collectives, and the infini_dist
 backend (the pass without Inductor). Compiled outputs must match the uncompiled model.
 
-Inductor's C++ compile is the slow part, so there are two Inductor compiles in all; each rank
-of each test has its own TORCHINDUCTOR_CACHE_DIR.
+Inductor's C++ compile is the slow part, so there are two Inductor compiles in all. The ranks
+share the session's Inductor code cache (tests/conftest.py), FX graph cache off, except in the
+test of what that cache serves: each of its ranks has a cache dir of its own.
 """
 
 from __future__ import annotations
@@ -22,17 +23,30 @@ FAST_TUNING = {"INFINI_DIST_BENCHMARK_REPS": "2", "INFINI_DIST_BENCHMARK_WARMUP"
                "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
-def _env(tmp_path):
-    return dict(FAST_TUNING, INDUCTOR_CACHE_BASE=str(tmp_path / "inductor"))
+def _env():
+    return dict(FAST_TUNING)
+
+
+def _one_compile_thread():
+    """Inductor compiles on this rank's thread. Its cache dir is the session's (conftest.py):
+    compiled code is shared, the FX graph cache is off, so the pass runs on every graph."""
+    import torch._inductor.config as inductor_config
+    inductor_config.compile_threads = 1
+
+
+def _fx_graph_cache_env(tmp_path):
+    """Settings for ranks that use Inductor's FX graph and AOTAutograd caches (off in the rest of
+    the session; Inductor reads them at import), each rank in a cache dir of its own
+    (_own_inductor_cache): ranks compile identical graphs, so with one dir a rank may hit the
+    entry another just wrote and never run the pass itself."""
+    return dict(FAST_TUNING, INDUCTOR_CACHE_BASE=str(tmp_path / "inductor"),
+                TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
 
 
 def _own_inductor_cache(rank):
-    """Each rank its own Inductor cache. Ranks compile identical graphs, so with one shared
-    cache a rank may hit the entry another just wrote and never run the pass itself."""
-    import torch._inductor.config as inductor_config
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["INDUCTOR_CACHE_BASE"],
                                                          f"rank{rank}")
-    inductor_config.compile_threads = 1
+    _one_compile_thread()
 
 
 def _ar(x, group_name):
@@ -53,11 +67,11 @@ def _rel_diff(a, b) -> float:
 
 def sharded_block(rank, world):
     """(the full block, its tensor-parallel shard, an input): the same full weights and input
-    on every rank; this rank's own Inductor cache."""
+    on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import tp_block
-    _own_inductor_cache(rank)
+    _one_compile_thread()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     full = tp_block.Block()
@@ -69,6 +83,7 @@ def tp_block_rank(rank, world):
 
     import infini_dist.compile as idc
     from infini_dist.scheduler.store import STORE
+    _own_inductor_cache(rank)  # before any compile: the FX graph cache is what this test checks
     full, block, x = sharded_block(rank, world)
     # Fused choices win: a site decided native would be left to Inductor by the second compile
     # (compile/decided.py), a fused one leaves the FX graph cache key as it was.
@@ -94,7 +109,7 @@ def tp_block_rank(rank, world):
 def test_tp_llama_block_compiled_with_inductor(tmp_path):
     from infini_dist.scheduler.ir import subgraph_from_text
     # the sites without the GEMM, whatever the environment sets (matmul_prologue has its tests)
-    env = dict(_env(tmp_path), INFINI_DIST_MATMUL_PROLOGUE="0")
+    env = dict(_fx_graph_cache_env(tmp_path), INFINI_DIST_MATMUL_PROLOGUE="0")
     results = run_ranks(tp_block_rank, 2, env=env, timeout=240)
     for r in results:
         assert r["tp_vs_full"] < 1e-5  # the sharding itself is right
@@ -123,7 +138,7 @@ def funcol_rank(rank, world):
     import torch.distributed as dist
 
     import infini_dist.compile as idc
-    _own_inductor_cache(rank)
+    _one_compile_thread()
     group = dist.group.WORLD.group_name
 
     def relu_scale(x):
@@ -139,9 +154,9 @@ def funcol_rank(rank, world):
             "eager": _max_diff(relu_scale(x), expected), "compiled": _max_diff(out, expected)}
 
 
-def test_funcol_prologue_and_relu_scale_compiled_with_inductor(tmp_path):
+def test_funcol_prologue_and_relu_scale_compiled_with_inductor():
     from infini_dist.scheduler.ir import subgraph_from_text
-    results = run_ranks(funcol_rank, 2, env=_env(tmp_path), timeout=180)
+    results = run_ranks(funcol_rank, 2, env=_env(), timeout=180)
     for r in results:
         (sub,) = [subgraph_from_text(t) for t in r["sites"]]
         assert [n.op_type for n in sub.nodes] == ["relu", "scale", "all_reduce", "relu", "scale"]
@@ -185,9 +200,9 @@ def backend_rank(rank, world):
     return results
 
 
-def test_backend_coalesces_and_obeys_the_flags(tmp_path):
+def test_backend_coalesces_and_obeys_the_flags():
     from infini_dist.scheduler.ir import subgraph_from_text
-    results = run_ranks(backend_rank, 2, env=_env(tmp_path), timeout=180)
+    results = run_ranks(backend_rank, 2, env=_env(), timeout=180)
     for r in results:
         (sub,) = [subgraph_from_text(t) for t in r["fused"]["sites"]]
         assert [n.op_type for n in sub.nodes] == ["all_reduce", "all_reduce", "add_rms_norm",

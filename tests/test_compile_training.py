@@ -102,8 +102,8 @@ def _train_step(rank, world, tokens, hidden, device_type="cuda"):
     from infini_dist.launch.bench_train import TrainDecoder
     from infini_dist.launch.tp_decoder import ModelConfig
     from symm_cases import RSTD
-    from test_compile_tp import _own_inductor_cache
-    _own_inductor_cache(rank)
+    from test_compile_tp import _one_compile_thread
+    _one_compile_thread()
     cuda = device_type == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -120,11 +120,11 @@ def _train_step(rank, world, tokens, hidden, device_type="cuda"):
 
 
 @pytest.mark.multigpu
-def test_training_step_on_gpus_offers_the_whole_forward_site_to_every_symm_kernel(tmp_path):
+def test_training_step_on_gpus_offers_the_whole_forward_site_to_every_symm_kernel():
     from multirank import run_ranks
     from symm_runs import symm_algorithms
     from test_compile_tp import _env
-    results = run_ranks(_train_step, 2, 256, 1024, backend="nccl", env=_env(tmp_path),
+    results = run_ranks(_train_step, 2, 256, 1024, backend="nccl", env=_env(),
                         timeout=500)
     symm = tuple(symm_algorithms())
     for (eager_loss, eager), (loss, grads) in (runs for runs, _ in results):

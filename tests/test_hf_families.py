@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from test_compile_tp import _env, _own_inductor_cache
+from test_compile_tp import _env, _one_compile_thread
 
 VOCAB = 128
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -79,7 +79,7 @@ def family_rank(rank, world, path):
     from infini_dist.launch.bench_hf import check_sharded, tp_load_kwargs
     from infini_dist.scheduler.store import STORE
     STORE.timing_hook = _deepest_fused  # this process only: a fresh rank per test
-    _own_inductor_cache(rank)
+    _one_compile_thread()
     os.environ["WORLD_SIZE"] = str(world)  # transformers sizes TP from it (torchrun sets it)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  **tp_load_kwargs()).eval()
@@ -98,7 +98,7 @@ def family_rank(rank, world, path):
 def test_hf_family_fuses_every_all_reduce_with_its_norm(tmp_path, family):
     pytest.importorskip("transformers")
     path = save_family(family, tmp_path / family)
-    results = run_ranks(family_rank, 2, path, env=_env(tmp_path), timeout=400)
+    results = run_ranks(family_rank, 2, path, env=_env(), timeout=400)
     with_norm, norm_free = expected_sites(family)
     for r in results:
         sites = r["sites"]

@@ -15,7 +15,7 @@ from infini_dist.scheduler.cache import DECISIONS
 def test_tune_then_list_show_and_clear(tmp_path, capsys, isolated_cache):
     cache = isolated_cache  # config.cache_dir: what the CLI reads without --cache-dir
     env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache), INFINI_DIST_BENCHMARK_REPS="2",
-               INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"))
+               INFINI_DIST_BENCHMARK_WARMUP="1")
     done = run_process([sys.executable, "-m", "infini_dist.launch.cli", "tune", "--nproc", "2",
                         "--model", "tp_decoder", "--tokens", "3,5,8", "--hidden", "16",
                         "--mlp", "32", "--heads", "4", "--kv-heads", "2",
@@ -73,7 +73,7 @@ def test_tune_hf_family_from_its_config(tmp_path):
     pytest.importorskip("accelerate")  # transformers' TP loading needs it
     cache = tmp_path / "decisions"
     env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(cache), INFINI_DIST_BENCHMARK_REPS="2",
-               INFINI_DIST_BENCHMARK_WARMUP="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
+               INFINI_DIST_BENCHMARK_WARMUP="1",
                TORCHINDUCTOR_COMPILE_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
     done = run_process([sys.executable, "-m", "infini_dist.launch.cli", "tune", "--nproc", "2",
                         "--hf", "llama", "--tokens", "3,5", "--layers", "1", "--hidden", "64",

@@ -44,8 +44,8 @@ def dynamic_rank(rank, world, how):
 
 
 @pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
-def test_dynamic_compile_tunes_once_per_bucket(tmp_path, how):
-    results = run_ranks(dynamic_rank, 2, how, env=_env(tmp_path), timeout=300)
+def test_dynamic_compile_tunes_once_per_bucket(how):
+    results = run_ranks(dynamic_rank, 2, how, env=_env(), timeout=300)
     for r in results:
         # one graph for all 24 counts (unique_graphs also counts native's own compiles)
         assert r["sites"] == 2

@@ -45,7 +45,6 @@ def run_smoke(tmp_path, steps: int, timeout: float) -> dict:
     out = tmp_path / "out"
     env = dict(os.environ, INFINI_DIST_CACHE_DIR=str(tmp_path / "decisions"),
                INFINI_DIST_BENCHMARK_REPS="2", INFINI_DIST_BENCHMARK_WARMUP="1",
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
                TORCHINDUCTOR_COMPILE_THREADS="1")
     run = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone",
                        "--nproc-per-node=2", "-m", "infini_dist.launch.bench_torchtitan",

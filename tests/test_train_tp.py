@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from test_compile_tp import _env, _own_inductor_cache
+from test_compile_tp import _env, _one_compile_thread
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' TP loading needs it
@@ -73,7 +73,7 @@ def train(model, steps, forward=None):
 
 def train_rank(rank, world, path, route):
     import infini_dist.compile as idc
-    _own_inductor_cache(rank)
+    _one_compile_thread()
     with idc.recording() as graphs:
         eager = train(load_tp(path, world), STEPS)
         model = load_tp(path, world)
@@ -96,7 +96,7 @@ def _max_rel(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("route", ["inductor", "infini_dist"])
 def test_hf_llama_tp_training_matches_eager(tmp_path, route):
     path = save_small_llama(tmp_path / "model")
-    results = run_ranks(train_rank, 2, path, route, env=_env(tmp_path), timeout=400)
+    results = run_ranks(train_rank, 2, path, route, env=_env(), timeout=400)
     for r in results:
         eager, compiled = r["eager"], r["compiled"]
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4, abs=1e-5)
