@@ -10,10 +10,10 @@ dim 128), in the two layouts users run:
   hf_down      down_proj's site, its norm read by q_proj, k_proj and v_proj apart
   fused_o_proj / fused_down   the same with gate_up and qkv fused (our TP decoder)
 Each site runs as scheduler/split_chain.py's decision runs it (scheduler/split_ways.py: site
-by site, split, split_first, the _cols variants), under CUDA-graph replay in lockstep, µs per site and its
-readers, max over ranks, `--repeat` times. The GEMM table (rank 0 alone, the same graph
-timing): the reader GEMM over all rows, in the split's row parts, and in row parts cut again
-by columns (what the _cols variants run), the rows of h = rows x 4096 bf16.
+by site, split, split_first, the _cols variants), under CUDA-graph replay in lockstep, µs per
+site and its readers, max over ranks, `--repeat` times. The GEMM table (rank 0 alone, the same
+graph timing): the reader GEMM over all rows, in the split's row parts, and in row parts cut
+again by columns (what the _cols variants run), the rows of h = rows x 4096 bf16.
 """
 
 from __future__ import annotations

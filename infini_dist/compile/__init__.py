@@ -11,10 +11,10 @@ all_reduce (or registered user op, matched by its 'ns::op' name) and the ops aro
 graph is compiled: `enable_custom_op_fusion` (off: graphs untouched), `custom_op_fusion_types`
 ('prologue', 'epilogue', 'cross_subgraph'), `max_fusion_depth` (IR ops captured per chain),
 `matmul_prologue` (the mm / addmm / linear feeding an all_reduce joins its site; "auto", the
-default: only in graphs Inductor captures in CUDA graphs on CUDA tensors), `row_split` (with matmul_prologue, prefill sites join into row-split chains:
-compile/chain_match.py), `backward_sites` (off: backward graphs' collectives stay Inductor's).
-They are part
-of the pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo does not
+default: only in graphs Inductor captures in CUDA graphs on CUDA tensors), `row_split` (with
+matmul_prologue, prefill sites join into row-split chains: compile/chain_match.py),
+`backward_sites` (off: backward graphs' collectives stay Inductor's). They are part of the
+pass's uuid, so Inductor's FX graph cache keeps graphs apart by them; Dynamo does not
 know them, so call torch._dynamo.reset() after changing them in a running process.
 `decisions()` lists what the compiled sites committed, `chain_decisions()` what each row-split
 chain committed. What the pass did: `stats` ("graphs", "sites", "native_sites", "chains" in this
