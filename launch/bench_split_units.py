@@ -36,10 +36,10 @@ from infini_dist.scheduler.split_ways import Ways
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 
 
-def site_text(group_name: str) -> str:
+def site_text(group_name: str, transpose: bool = True) -> str:
     """The engine's text of a matmul -> all_reduce -> add_rms_norm site, serialized as the pass
-    serializes its sites (SubGraph.canonical)."""
-    return SubGraph((OpNode("matmul", ("in0", "in1"), ("v0",), {"transpose_weight": True}),
+    serializes its sites (SubGraph.canonical); transpose: the weight is [N, K]."""
+    return SubGraph((OpNode("matmul", ("in0", "in1"), ("v0",), {"transpose_weight": transpose}),
                      OpNode("all_reduce", ("v0",), ("v1",), {"group_name": group_name,
                                                              "op": "sum"}),
                      OpNode("add_rms_norm", ("v1", "in2", "in3"), ("v2", "v3"), {"eps": 1e-6})),

@@ -1,0 +1,120 @@
+"""A backward site split by rows (issue #27), before any pass builds it: the input gradient's
+GEMM in row parts with its all-reduce as a reduce-scatter under it (the chain's `produce`,
+scheduler/split_site.py), then the weight gradient's GEMM beside the all-gather:
+
+    torchrun --standalone --nproc-per-node=2 -m infini_dist.launch.bench_backward_split \
+        [--rows 2048] [--repeat 3]
+
+For the column-parallel linears of a Llama-3-8B layer at TP = world (qkv, gate_up), with G the
+output gradient [rows, N], W the weight shard [N, 4096] and x the saved input [rows, 4096]:
+  floor    dX = G @ W, then dW = G^T @ x: the GEMMs with no communication
+  nccl     dX, NCCL all_reduce(dX), dW
+  sites    dX and our synchronous all-reduce + add + RMSNorm (the engine's site), then dW
+  split    dX's peers' rows first, each pushed by copy engine while the next part computes;
+           this rank's rows, their reduction + add + RMSNorm; then dW on the compute stream
+           while the copy engine pushes the reduced rows to the peers; then the gather's wait
+The add + RMSNorm stands in for the backward's row-wise epilogue (the norm's backward), which
+has the same reads. Every way ends with a copy of the gathered rows (the split's read).
+CUDA-graph replay in lockstep, µs, max over ranks, `--repeat` times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import infini_dist
+from infini_dist.launch.arguments import positive_int
+from infini_dist.launch.bench_split_units import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, MLP, site_text
+from infini_dist.scheduler import lockstep
+from infini_dist.scheduler.choices import RunContext
+from infini_dist.scheduler.control import control_plane
+from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, chain_text
+from infini_dist.scheduler.split_ways import SITES, SPLIT, Way, Ways
+
+
+def widths(world: int) -> dict[str, int]:
+    """N of the column-parallel linears whose input gradients the backward all-reduces."""
+    return {"qkv": (HEADS + 2 * KV_HEADS) * HEAD_DIM // world, "gate_up": 2 * MLP // world}
+
+
+def backward_site(group_name: str, rows: int, n: int) -> ChainSite:
+    """The input gradient's site: dX = G @ W (W [N, hidden] as the linear holds it), its
+    all-reduce, add + RMSNorm; no readers (the split's read is a copy of the gathered rows)."""
+    return ChainSite(site_text(group_name, False), rows, n, HIDDEN, False, 1e-6, True, ())
+
+
+def ways(runner: ChainRunner, group, device) -> tuple[list[Way], tuple]:
+    """The four ways of the module doc over one random site (Ways' values, never zeros), and
+    their operands (G, W, x, dW)."""
+    values = Ways(runner, 0, device)
+    g, w = values.inputs[:2]
+    x = torch.randn(g.shape[0], w.shape[1], device=device, dtype=g.dtype)
+    dw = torch.empty(g.shape[1], w.shape[1], device=device, dtype=g.dtype)
+
+    def floor():
+        dx = torch.mm(g, w)
+        torch.mm(g.t(), x, out=dw)
+        return dx
+
+    def nccl():
+        dx = torch.mm(g, w)
+        dist.all_reduce(dx, group=group)
+        torch.mm(g.t(), x, out=dw)
+        return dx.clone()
+
+    def site(mode):
+        runner.mode = mode
+        h = runner.site(0, values.inputs)[0]
+        torch.mm(g.t(), x, out=dw)  # split: beside the copy engine's gather
+        return runner.read(0, [h])[0]  # split: the gather's wait; the copy stream joins
+
+    return ([Way("floor", floor), Way("nccl", nccl), Way(SITES, lambda: site(SITES)),
+             Way(SPLIT, lambda: site(SPLIT))], (g, w, x, dw))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=positive_int, default=2048)
+    parser.add_argument("--repeat", type=positive_int, default=3)
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    group = dist.group.WORLD
+    settings = infini_dist.config.snapshot()
+    plane = control_plane(group, settings.tuning_timeout_s)
+    ctx = RunContext(group, world, rank, device)
+    lines = []
+    for name, n in widths(world).items():
+        spec = backward_site(group.group_name, args.rows, n)
+        runner = ChainRunner(chain_text(group.group_name, torch.bfloat16, [spec]), settings)
+        with plane.lock:
+            runner._build(group, device, plane)
+        choices, _ = ways(runner, group, device)
+        outs = {c.name: c.run(None) for c in choices}
+        torch.cuda.synchronize(device)
+        same = torch.equal(outs[SITES], outs[SPLIT])
+        runs = [lockstep.time_choices(settings, choices, None, ctx, plane)
+                for _ in range(args.repeat)]
+        gathered = plane.all_gather(runs, f"backward split {name}")
+        worst = {c.name: [max(g[i][c.name] for g in gathered) * 1e6 for i in range(args.repeat)]
+                 for c in choices}
+        lines.append(f"{name:8s} N {n:6d} | " + " | ".join(
+            f"{way} " + "/".join(f"{t:.1f}" for t in ts) for way, ts in worst.items())
+            + f" | split's h equals the site's: {same}")
+        del choices, runner
+    if rank == 0:
+        print(f"backward sites at {args.rows} rows, {world} ranks (us, max over ranks, each "
+              f"repeat):")
+        print("\n".join(lines))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
