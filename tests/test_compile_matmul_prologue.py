@@ -76,8 +76,9 @@ def test_auto_takes_the_matmul_only_in_cuda_graphs_on_cuda(cudagraphs, cuda, tak
     gm = export(fn, *args)
     with inductor_config.patch({"triton.cudagraphs": cudagraphs}):
         (site,) = fuse(_on_cuda(gm) if cuda else gm, matmul_prologue="auto")
-    ops = ops_of(site)
-    assert ops[:2] == ["matmul", "all_reduce"] if taken else ops[0] == "all_reduce", ops
+    # fake CUDA values trace the epilogue's forms on "meta" here (compile/fx_patterns.py), so
+    # the site keeps its add as it does on a GPU
+    assert ops_of(site) == (["matmul"] if taken else []) + ["all_reduce", "add"]
 
 
 X3, X2 = (2, 4, 8), (4, 8)

@@ -127,6 +127,10 @@ def templates(dtype: torch.dtype, ndim: int, device_type: str) -> tuple[Template
     if not dtype.is_floating_point or ndim < 1:
         return ()  # the IR's elementwise ops and norms are for floating-point values
     device = torch.device(device_type)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        # Fake CUDA values on a machine without CUDA (the CPU tests of GPU graphs): the forms'
+        # structure does not depend on the device, and real CUDA tensors cannot be made here.
+        device = torch.device("meta")
     traced = []
     for form in FORMS:
         try:
