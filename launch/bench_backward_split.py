@@ -21,18 +21,14 @@ CUDA-graph replay in lockstep, µs, max over ranks, `--repeat` times.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 
-import infini_dist
 from infini_dist.launch.arguments import positive_int
-from infini_dist.launch.bench_split_units import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, MLP, site_text
-from infini_dist.scheduler import lockstep
-from infini_dist.scheduler.choices import RunContext
-from infini_dist.scheduler.control import control_plane
-from infini_dist.scheduler.split_chain import ChainRunner, ChainSite, chain_text
+from infini_dist.launch.bench_split_units import (HEAD_DIM, HEADS, HIDDEN, KV_HEADS, MLP,
+                                                   runner_of, site_text, start, worst_times)
+from infini_dist.scheduler.split_chain import ChainRunner, ChainSite
 from infini_dist.scheduler.split_ways import SITES, SPLIT, Way, Ways
 
 
@@ -81,33 +77,19 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=positive_int, default=2048)
     parser.add_argument("--repeat", type=positive_int, default=3)
     args = parser.parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    group = dist.group.WORLD
-    settings = infini_dist.config.snapshot()
-    plane = control_plane(group, settings.tuning_timeout_s)
-    ctx = RunContext(group, world, rank, device)
+    rank, world, device, group, settings, plane, ctx = start()
     lines = []
     for name, n in widths(world).items():
-        spec = backward_site(group.group_name, args.rows, n)
-        runner = ChainRunner(chain_text(group.group_name, torch.bfloat16, [spec]), settings)
-        with plane.lock:
-            runner._build(group, device, plane)
+        runner = runner_of(backward_site(group.group_name, args.rows, n), group, device,
+                           settings, plane)
         choices, _ = ways(runner, group, device)
         outs = {c.name: c.run(None) for c in choices}
         torch.cuda.synchronize(device)
         same = torch.equal(outs[SITES], outs[SPLIT])
-        runs = [lockstep.time_choices(settings, choices, None, ctx, plane)
-                for _ in range(args.repeat)]
-        gathered = plane.all_gather(runs, f"backward split {name}")
-        worst = {c.name: [max(g[i][c.name] for g in gathered) * 1e6 for i in range(args.repeat)]
-                 for c in choices}
-        lines.append(f"{name:8s} N {n:6d} | " + " | ".join(
-            f"{way} " + "/".join(f"{t:.1f}" for t in ts) for way, ts in worst.items())
+        lines.append(f"{name:8s} N {n:6d} | " + worst_times(
+            settings, choices, ctx, plane, args.repeat, f"backward split {name}")
             + f" | split's h equals the site's: {same}")
-        del choices, runner
+        del choices, runner, outs
     if rank == 0:
         print(f"backward sites at {args.rows} rows, {world} ranks (us, max over ranks, each "
               f"repeat):")

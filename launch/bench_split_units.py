@@ -81,33 +81,50 @@ def gemm_row(rows: int, n: int, world: int, device) -> dict[str, float]:
             "row parts": timed(lambda: parts(1)), "row x 2 column parts": timed(lambda: parts(2))}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=positive_int, default=2048)
-    parser.add_argument("--repeat", type=positive_int, default=2)
-    args = parser.parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+def start(env=os.environ):
+    """(rank, world, device, group, settings, control plane, run context) of a torchrun bench
+    over NCCL, one GPU a rank."""
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    device = torch.device("cuda", int(env.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     group = dist.group.WORLD
     settings = infini_dist.config.snapshot()
     plane = control_plane(group, settings.tuning_timeout_s)
-    ctx = RunContext(group, world, rank, device)
+    return rank, world, device, group, settings, plane, RunContext(group, world, rank, device)
+
+
+def runner_of(spec: ChainSite, group, device, settings, plane) -> ChainRunner:
+    """A one-site chain's runner with its split buffers built."""
+    runner = ChainRunner(chain_text(group.group_name, torch.bfloat16, [spec]), settings)
+    with plane.lock:
+        runner._build(group, device, plane)
+    return runner
+
+
+def worst_times(settings, choices, ctx, plane, repeat: int, label: str) -> str:
+    """Every choice timed in lockstep `repeat` times: "name t1/t2/... | ...", µs, each the
+    max over ranks."""
+    runs = [lockstep.time_choices(settings, choices, None, ctx, plane) for _ in range(repeat)]
+    gathered = plane.all_gather(runs, label)
+    return " | ".join(f"{c.name} " + "/".join(
+        f"{max(g[i][c.name] for g in gathered) * 1e6:.1f}" for i in range(repeat))
+        for c in choices)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=positive_int, default=2048)
+    parser.add_argument("--repeat", type=positive_int, default=2)
+    args = parser.parse_args(argv)
+    rank, world, device, group, settings, plane, ctx = start()
     lines = []
     for name, spec in units(group.group_name, args.rows, world).items():
-        runner = ChainRunner(chain_text(group.group_name, torch.bfloat16, [spec]), settings)
-        with plane.lock:
-            runner._build(group, device, plane)
+        runner = runner_of(spec, group, device, settings, plane)
         ways = Ways(runner, 0, device)
         ways.first_run()
-        runs = [lockstep.time_choices(settings, ways.choices, None, ctx, plane)
-                for _ in range(args.repeat)]
-        gathered = plane.all_gather(runs, f"units {name}")
-        worst = {c.name: [max(g[i][c.name] for g in gathered) * 1e6 for i in range(args.repeat)]
-                 for c in ways.choices}
-        lines.append(f"{name:13s} " + " | ".join(
-            f"{way} " + "/".join(f"{t:.1f}" for t in ts) for way, ts in worst.items()))
+        lines.append(f"{name:13s} " + worst_times(settings, ways.choices, ctx, plane,
+                                                  args.repeat, f"units {name}"))
         del ways, runner
     if rank == 0:
         print(f"sites at {args.rows} rows, {world} ranks (us, max over ranks, each repeat):")
