@@ -14,7 +14,7 @@ output gradient [rows, N], W the weight shard [N, 4096] and x the saved input [r
            this rank's rows, their reduction + add + RMSNorm; then dW on the compute stream
            while the copy engine pushes the reduced rows to the peers; then the gather's wait
 The add + RMSNorm stands in for the backward's row-wise epilogue (the norm's backward), which
-has the same reads. Every way ends with a copy of the gathered rows (the split's read).
+has the same reads. All but the floor end with a copy of the reduced rows (the split's read).
 CUDA-graph replay in lockstep, µs, max over ranks, `--repeat` times.
 """
 
