@@ -53,13 +53,14 @@ def test_the_flag_is_auto_by_default_validated_and_in_the_pass_uuid():
             assert FUSION_PASS.uuid() != before  # Inductor's FX graph cache keeps them apart
 
 
-def _on_cuda(gm):
+def _on_cuda(gm, keep_on_cpu=()):
     """`gm` as the pass sees a graph of CUDA tensors: every node's fake value on cuda:0 (made by
-    the graph's own fake mode, which the pass's shape propagation shares)."""
+    the graph's own fake mode, which the pass's shape propagation shares), but the nodes named
+    in `keep_on_cpu`."""
     with gm.graph.find_nodes(op="placeholder")[0].meta["val"].fake_mode:
         for node in gm.graph.nodes:
             value = node.meta.get("val")
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and node.name not in keep_on_cpu:
                 node.meta["val"] = torch.empty_strided(value.shape, value.stride(),
                                                        dtype=value.dtype, device="cuda")
     return gm
@@ -78,6 +79,23 @@ def test_auto_takes_the_matmul_only_in_cuda_graphs_on_cuda(cudagraphs, cuda, tak
         (site,) = fuse(_on_cuda(gm) if cuda else gm, matmul_prologue="auto")
     # fake CUDA values trace the epilogue's forms on "meta" here (compile/fx_patterns.py), so
     # the site keeps its add as it does on a GPU
+    assert ops_of(site) == (["matmul"] if taken else []) + ["all_reduce", "add"]
+
+
+@pytest.mark.parametrize("partition,taken", [(False, False), (True, True)])
+def test_auto_leaves_the_matmul_where_inductor_skips_the_capture(partition, taken):
+    """A graph that reads a CPU tensor is not captured (Inductor's cudagraph_utils skips it)
+    unless graph partition splits the CPU work off: "auto" follows, so a graph run launch by
+    launch does not pay a matmul site's host time."""
+    import torch._inductor.config as inductor_config
+
+    def with_cpu_work(x, w, r, count):
+        return linear_3d(x, w, r), count + 1  # e.g. a step counter kept on the host
+    gm = export(with_cpu_work, *CASES[0][1], torch.tensor(3.0))
+    counter = gm.graph.find_nodes(op="placeholder")[-1]
+    cpu = {counter.name} | {user.name for user in counter.users}  # the counter and its + 1
+    with inductor_config.patch({"triton.cudagraphs": True, "graph_partition": partition}):
+        (site,) = fuse(_on_cuda(gm, keep_on_cpu=cpu), matmul_prologue="auto")
     assert ops_of(site) == (["matmul"] if taken else []) + ["all_reduce", "add"]
 
 

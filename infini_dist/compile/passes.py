@@ -241,8 +241,28 @@ def _matmul_prologue(graph: fx.Graph, settings: Settings) -> bool:
         return settings.matmul_prologue
     if not torch._inductor.config.triton.cudagraphs:
         return False
-    return any(isinstance(value, torch.Tensor) and value.device.type == "cuda"
-               for value in (node.meta.get("val") for node in graph.find_nodes(op="placeholder")))
+    devices = _devices(graph)
+    # Inductor skips the capture of a graph that reads or makes CPU tensors, unless its graph
+    # partition splits the CPU ops off (cudagraph_utils.check_multiple_devices_or_any_cpu_nodes).
+    return "cuda" in devices and ("cpu" not in devices
+                                  or bool(torch._inductor.config.graph_partition))
+
+
+def _devices(graph: fx.Graph) -> set[str]:
+    """The device types of the tensors a graph reads (placeholders with readers) or makes
+    (non-empty), as Inductor counts them for its CUDA-graph decision."""
+    found = set()
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "call_function") or not node.users:
+            continue
+        value = node.meta.get("val")
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            numel = tensor.numel()  # symbolic under dynamic shapes: asking would guard
+            if node.op == "placeholder" or not (isinstance(numel, int) and numel == 0):
+                found.add(tensor.device.type)
+    return found - {"meta"}
 
 
 def _describe(graph: fx.Graph) -> tuple[str, tuple[str, ...]]:
