@@ -105,9 +105,10 @@ FLAGS = {
     # The compile pass also takes the matmul (mm, addmm, linear) that produces an all_reduce's
     # input into the site, as its prologue (GEMM + all_reduce overlap). "auto": only in graphs
     # that Inductor captures in CUDA graphs (mode="reduce-overhead" or "max-autotune") on CUDA
-    # tensors, none on the CPU (compile/passes.py). There it wins prefill and holds decode on 2 GPUs; in a graph run launch by
-    # launch a site with its GEMM costs more host time (two launches, not made from C++), which
-    # made a training step 2-16% slower (docs/benchmarks.md, session 34).
+    # tensors, none on the CPU (compile/passes.py). There it wins prefill and holds decode on
+    # 2 GPUs; in a graph run launch by launch a site with its GEMM costs more host time (two
+    # launches, not made from C++), which made a training step 2-16% slower
+    # (docs/benchmarks.md, session 34).
     "matmul_prologue": (AUTO, check_bool_or_auto),
     # With matmul_prologue: consecutive prefill sites whose residual runs from one to the next
     # become one row-split chain (compile/chain_match.py), which runs site by site or with each
