@@ -244,8 +244,8 @@ def _matmul_prologue(graph: fx.Graph, settings: Settings) -> bool:
     devices = _devices(graph)
     # Inductor skips the capture of a graph that reads or makes CPU tensors, unless its graph
     # partition splits the CPU ops off (cudagraph_utils.check_multiple_devices_or_any_cpu_nodes).
-    return "cuda" in devices and ("cpu" not in devices
-                                  or bool(torch._inductor.config.graph_partition))
+    return "cuda" in devices and ("cpu" not in devices or bool(
+        getattr(torch._inductor.config, "graph_partition", False)))
 
 
 def _devices(graph: fx.Graph) -> set[str]:
