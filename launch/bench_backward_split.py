@@ -20,14 +20,12 @@ CUDA-graph replay in lockstep, µs, max over ranks, `--repeat` times.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 
-from infini_dist.launch.arguments import positive_int
 from infini_dist.launch.bench_split_units import (HEAD_DIM, HEADS, HIDDEN, KV_HEADS, MLP,
-                                                   runner_of, site_text, start, worst_times)
+                                                   arguments, runner_of, site_text, start,
+                                                   worst_times)
 from infini_dist.scheduler.split_chain import ChainRunner, ChainSite
 from infini_dist.scheduler.split_ways import SITES, SPLIT, Way, Ways
 
@@ -73,10 +71,7 @@ def ways(runner: ChainRunner, group, device) -> tuple[list[Way], tuple]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=positive_int, default=2048)
-    parser.add_argument("--repeat", type=positive_int, default=3)
-    args = parser.parse_args(argv)
+    args = arguments(argv, __doc__.split("\n")[0], repeat=3)
     rank, world, device, group, settings, plane, ctx = start()
     lines = []
     for name, n in widths(world).items():

@@ -112,11 +112,16 @@ def worst_times(settings, choices, ctx, plane, repeat: int, label: str) -> str:
         for c in choices)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(argv, description: str, repeat: int):
+    """--rows (2048) and --repeat (`repeat`), the options of a bench of split sites."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rows", type=positive_int, default=2048)
-    parser.add_argument("--repeat", type=positive_int, default=2)
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeat", type=positive_int, default=repeat)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = arguments(argv, __doc__.split("\n")[0], repeat=2)
     rank, world, device, group, settings, plane, ctx = start()
     lines = []
     for name, spec in units(group.group_name, args.rows, world).items():
