@@ -25,6 +25,11 @@ INDUCTOR_SESSION_ENV = {
     # own per-rank cache dirs.
     "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
     "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+    # Scalar C++ kernels on CPU, not at::vec ones: Inductor's codegen and g++ both do less
+    # (test_train_tp's Inductor route 87 -> 73-78 s, twice each). The graphs, and so what the
+    # pass sees and writes, are the same; only the loops Inductor emits for them differ. GPU
+    # kernels are Triton's, which this does not touch.
+    "TORCHINDUCTOR_VEC_ISA_OK": "0",
 }
 
 
@@ -47,6 +52,11 @@ def _share_inductor_code_cache(config):
     import tempfile
     path = tempfile.mkdtemp(prefix="infini_dist_inductor_")
     os.environ.update(INDUCTOR_SESSION_ENV, TORCHINDUCTOR_CACHE_DIR=path)
+    if (os.cpu_count() or 1) <= 4:
+        # Inductor compiles on the compiling thread, as launch_env's jobs and most ranks
+        # already do: the pool it would start (subprocesses importing torch, per rank and
+        # worker) only competes for the CPU CI machine's two cores
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
