@@ -81,11 +81,11 @@ def gemm_row(rows: int, n: int, world: int, device) -> dict[str, float]:
             "row parts": timed(lambda: parts(1)), "row x 2 column parts": timed(lambda: parts(2))}
 
 
-def start(env=os.environ):
+def start():
     """(rank, world, device, group, settings, control plane, run context) of a torchrun bench
     over NCCL, one GPU a rank."""
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    device = torch.device("cuda", int(env.get("LOCAL_RANK", rank)))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     group = dist.group.WORLD
