@@ -36,8 +36,8 @@ INDUCTOR_SESSION_ENV = {
 def pytest_configure(config):
     # Interpreted kernels run here too (a test that sets TRITON_INTERPRET itself); rank and pool
     # processes install it on their own (multirank.py, interpreter_worker.py).
-    from interpreter_patches import skip_nested_language_patches
-    skip_nested_language_patches()
+    from interpreter_patches import install
+    install()
     if not hasattr(config, "workerinput"):  # the session's first process: xdist's controller
         _share_inductor_code_cache(config)
 

@@ -1,5 +1,6 @@
-"""Triton's interpreter, made cheaper for our kernels' device-function calls (test processes
-only; the kernels and what they compute are untouched).
+"""Triton's interpreter, made cheaper for our kernels' device-function calls, and its 2-byte
+loads and stores made whole (test processes only; the kernels and what they compute are
+untouched). `install` puts both in place.
 
 Triton 3.9's interpreter re-patches `triton.language` on every call of a @triton.jit helper
 (`InterpretedFunction.__call__` -> `_patch_lang`, an `inspect.getmembers` over the language's
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+
+import numpy as np
 
 # What Triton 3.9's InterpretedFunction.__call__ does, line by line after its `def`: the body
 # that `call_unpatched` repeats. Any other body and nothing is installed.
@@ -72,3 +75,80 @@ def skip_nested_language_patches() -> bool:
     interpreter.GridExecutor.__call__ = launch_patched
     interpreter.InterpretedFunction.__call__ = call_unpatched
     return True
+
+
+# ---- whole 2-byte copies --------------------------------------------------------------------
+#
+# Triton 3.9's interpreter loads and stores each element with libc memcpy of the element's size,
+# and glibc 2.36's memcpy does not copy 2 bytes in one access. So a 2-byte element that another
+# process stores meanwhile can be read torn, half old and half new. Measured here: 99,322 torn of
+# 62 M loads of an element that a C loop kept switching between 0x8000 and 0x1234; none through
+# the numpy copies below. The GPU's 16-bit accesses are whole, and our Lamport kernels rely on
+# it: a place reads as empty (-0.0, 0x8000) or as the stored value. Torn, the empty pattern's
+# high byte with a value's low byte is a tiny negative number that is not empty, so the reader
+# took it, and one source's share dropped out of a sum (session 35: a CPU-CI failure of the
+# one-shot Lamport kernel, bf16, one element of one rank, that did not come back in 9 reruns).
+# numpy copies a 2-byte element in one access.
+
+
+class _Span:
+    """`count` uint16 at address `base`, as numpy reads memory it does not own."""
+
+    def __init__(self, base: int, count: int):
+        self.__array_interface__ = {"shape": (count,), "typestr": "<u2", "data": (base, False),
+                                    "version": 3}
+
+
+def _places(addresses: np.ndarray):
+    """A uint16 view of memory from the lowest of `addresses` (all 2-byte aligned) to the
+    highest, and each address's index in it."""
+    base = int(addresses.min())
+    memory = np.asarray(_Span(base, int(addresses.max() - base) // 2 + 1))
+    return memory, ((addresses - base) // 2).astype(np.intp)
+
+
+class _WholeTwoByteCopies:
+    """Triton's C++ interpreter module, its load and store of 2-byte elements done by numpy."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def load(self, ptrs, mask, other, dtype):
+        if np.dtype(dtype).itemsize != 2:
+            return self._module.load(ptrs, mask, other, dtype)
+        out = np.array(np.broadcast_to(other, ptrs.shape), dtype=dtype)
+        wanted = np.broadcast_to(mask, ptrs.shape)
+        if wanted.any():
+            memory, index = _places(ptrs[wanted])
+            out.view(np.uint16)[wanted] = memory[index]
+        return out
+
+    def store(self, ptrs, value, mask):
+        if value.dtype.itemsize != 2:
+            return self._module.store(ptrs, value, mask)
+        wanted = np.broadcast_to(mask, ptrs.shape)
+        if wanted.any():
+            memory, index = _places(ptrs[wanted])
+            values = np.ascontiguousarray(np.broadcast_to(value, ptrs.shape))
+            memory[index] = values.view(np.uint16)[wanted]
+
+
+def whole_two_byte_copies() -> bool:
+    """Installs the whole copies; False where this Triton has no such interpreter module."""
+    try:
+        from triton.runtime import interpreter
+        module = interpreter._interpreter
+    except (ImportError, AttributeError):
+        return False
+    if not isinstance(module, _WholeTwoByteCopies):
+        interpreter._interpreter = _WholeTwoByteCopies(module)
+    return True
+
+
+def install() -> None:
+    """Both patches, in a process that runs interpreted kernels."""
+    skip_nested_language_patches()
+    whole_two_byte_copies()

@@ -42,8 +42,8 @@ def _start(home: str) -> None:
     os.environ["HOME"] = home
     import torch
     torch.set_num_threads(1)
-    from interpreter_patches import skip_nested_language_patches
-    skip_nested_language_patches()
+    from interpreter_patches import install
+    install()
 
 
 def kill_workers(pool) -> None:

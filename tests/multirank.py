@@ -59,8 +59,8 @@ def _entry(environ, rank, world_size, init_file, cache_dir, fn, args, queue, bac
     import torch.distributed as dist
     torch.set_num_threads(1)
     if environ.get("TRITON_INTERPRET") == "1":
-        from interpreter_patches import skip_nested_language_patches
-        skip_nested_language_patches()
+        from interpreter_patches import install
+        install()
     try:
         options = {}
         if backend == "nccl":

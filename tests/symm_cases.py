@@ -226,6 +226,17 @@ def max_error(got: dict, expected: dict) -> float:
     return worst
 
 
+def worst_places(got: dict, expected: dict) -> str:
+    """Each output's error (max_error's measure) and, for the worst, the element where
+    |got - expected| is largest: what a failure message needs when the failure is rare."""
+    errors = {name: max_error({name: got[name]}, {name: e}) for name, e in expected.items()}
+    name = max(errors, key=errors.get)
+    g, e = got[name].double().cpu(), expected[name].double().cpu()
+    place = tuple(int(i) for i in torch.unravel_index((g - e).abs().argmax(), e.shape))
+    return (f"errors {({n: round(v, 6) for n, v in errors.items()})}, worst {name}{list(place)}: "
+            f"got {g[place].item()!r}, expected {e[place].item()!r}")
+
+
 def fp8_error(got, expected) -> float:
     """The worst |got - expected| beyond one e4m3 step, over 1 + max |expected|. A quantized value
     is in units of its scale, so the inputs' own rounding (an all_reduce result rounded to bf16,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,3 +66,35 @@ def test_an_interpreted_kernel_computes_the_same_with_fewer_patches():
     plain_installed, plain_right, plain_patches = _run("plain")
     assert not plain_installed and plain_right
     assert plain_patches == 3 * (1 + 4 * 4), plain_patches  # every helper call, every program
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.float16, np.int16, np.float32])
+def test_whole_copies_load_and_store_as_the_interpreter_does(dtype):
+    """The 2-byte path (numpy's whole-element copies; other sizes go to Triton's own) gives what
+    Triton's interpreter module gives: masked places keep `other` in a load and stay untouched
+    in a store, a scalar `other` is broadcast, pointers come in any order and shape."""
+    from triton.runtime import interpreter
+
+    from interpreter_patches import _WholeTwoByteCopies
+    module = interpreter._interpreter
+    module = getattr(module, "_module", module)  # Triton's own, under a session's install
+    rng = np.random.default_rng(0)
+    start = (rng.standard_normal(64) * 100).astype(dtype)
+    order = rng.permutation(64)[:24].reshape(4, 6)
+    mask = rng.random((4, 6)) < 0.7
+    other, values = ((rng.standard_normal((4, 6)) * 100).astype(dtype) for _ in range(2))
+    ends = []
+    for copies in (_WholeTwoByteCopies(module), module):
+        memory = start.copy()
+        ptrs = (memory.ctypes.data + order * memory.itemsize).astype(np.uint64)
+        got = copies.load(ptrs, mask, np.array(7, dtype=dtype), np.dtype(dtype))
+        assert got.dtype == np.dtype(dtype) and got.shape == (4, 6)
+        assert np.array_equal(got, np.where(mask, start[order], dtype(7)))
+        assert np.array_equal(copies.load(ptrs, mask, other, np.dtype(dtype)),
+                              np.where(mask, start[order], other))
+        copies.store(ptrs, values, mask)
+        ends.append(memory)
+    assert np.array_equal(ends[0], ends[1])
+    expected = start.copy()
+    expected[order[mask]] = values[mask]
+    assert np.array_equal(ends[0], expected)
