@@ -40,7 +40,8 @@ from infini_dist.launch import shutdown
 from infini_dist.launch.arguments import (add_model_sizes, names, nonnegative_int, parse,
                                           positive_int)
 from infini_dist.launch.bench_hf import FAMILIES, load_tp_model, make_config
-from infini_dist.launch.bench_model import Bench, setup
+from infini_dist.launch.bench_model import Bench
+from infini_dist.launch.job import setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.generate_report import VARIANTS, speed, summarize, table, verdict
 MODULE = "infini_dist.launch.bench_generate"  # what torchrun starts (__name__ may be __main__)

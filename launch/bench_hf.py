@@ -70,7 +70,8 @@ from infini_dist.launch import collective_free, shutdown
 from infini_dist.launch.arguments import (add_decode_shapes, add_matmul_prologue, add_model_sizes,
                                           names, parse, positive_float, positive_int,
                                           positive_ints)
-from infini_dist.launch.bench_model import Bench, run_meta, run_shape, setup
+from infini_dist.launch.bench_model import Bench, run_shape
+from infini_dist.launch.job import run_meta, setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.model_report import (FLOOR, VARIANTS, Target, add_floor_ratios, plot,
                                              print_details, summary)

@@ -55,6 +55,7 @@ from infini_dist.launch.arguments import (add_decode_shapes, add_matmul_prologue
                                           positive_int, usage_error)
 from infini_dist.launch.model_report import (FLOOR, PREFILL_TARGET, VARIANTS, add_floor_ratios,
                                              plot, print_details, summarize, summary)
+from infini_dist.launch.job import run_meta, setup
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_shapes, make_inputs
 
 
@@ -314,44 +315,6 @@ def finish(parser, args, world):
 
 def parse_args(argv=None):
     return parse(argv, add_arguments, finish, description=__doc__.split("\n")[0])
-
-
-def setup(args):
-    import torch._dynamo.config as dynamo_config
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-    # One compiled entry per (variant, shape) on the same forward: past the default limit of 8
-    # Dynamo would silently fall back to eager.
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-    # A cache hit skips the post-grad pass, and then the site counts would read 0.
-    inductor_config.fx_graph_cache = False
-    if hasattr(functorch_config, "enable_autograd_cache"):
-        functorch_config.enable_autograd_cache = False
-    if args.cpu_smoke:
-        device, dtype = torch.device("cpu"), torch.float32
-        dist.init_process_group("gloo")
-        return device, dtype, dist.group.WORLD
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    return device, torch.bfloat16, dist.new_group(backend="gloo")
-
-
-def run_meta(args, device, dtype, started: float) -> dict:
-    """What results.json says about the run itself."""
-    meta = {"world_size": dist.get_world_size(), "dtype": str(dtype).replace("torch.", ""),
-            "variants": args.variants, "iters": args.iters,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "cpu_smoke": args.cpu_smoke, "tol": args.tol,
-            "wall_s": time.perf_counter() - started}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return meta
 
 
 def main(argv=None) -> int:

@@ -56,7 +56,8 @@ import torch.distributed as dist
 from infini_dist.launch import collective_free, shutdown
 from infini_dist.launch.arguments import (names, nonempty_ints, parse,
                                           positive_float, positive_int)
-from infini_dist.launch.bench_model import Bench, error_text, setup
+from infini_dist.launch.bench_model import Bench, error_text
+from infini_dist.launch.job import setup
 from infini_dist.launch.model_report import FLOOR
 from infini_dist.launch.sp_report import compare, table
 from infini_dist.scheduler.benchmark import time_reps

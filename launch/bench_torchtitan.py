@@ -363,7 +363,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from infini_dist.launch.bench_model import setup as join_job
+    from infini_dist.launch.job import setup as join_job
     device, _, control = join_job(args)  # gloo for --cpu-smoke; the FX caches off (sites seen)
     tol = args.tol or (1e-4 if args.setup.dtype == "float32" else 2e-2)
     compat = torch_compat()  # before torchtitan's first import

@@ -49,7 +49,7 @@ from infini_dist.launch import collective_free, shutdown
 from infini_dist.launch.arguments import (add_matmul_prologue, add_model_sizes, names,
                                           nonempty_ints, nonnegative_int, parse, positive_float,
                                           positive_int, usage_error)
-from infini_dist.launch.bench_model import setup
+from infini_dist.launch.job import setup
 from infini_dist.launch.step_timing import sleep_cycles_for
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 
@@ -342,7 +342,7 @@ def finish(parser, args, world):
     args.model = ModelConfig(args.layers, args.hidden, args.mlp, args.heads, args.kv_heads,
                              context=max(args.tokens))
     usage_error(parser, check_shapes, args.model, world)
-    args.cpu_smoke = args.device == "cpu"  # bench_model.setup: gloo, float32
+    args.cpu_smoke = args.device == "cpu"  # job.setup: gloo, float32
 
 
 def parse_args(argv=None):

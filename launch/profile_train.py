@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.launch import collective_free, shutdown
-from infini_dist.launch.bench_model import setup
+from infini_dist.launch.job import setup
 from infini_dist.launch.bench_train import (FLOOR, WGRAD, TrainDecoder, decide_then_recompile,
                                             parse_args as train_args, train_curve)
 from infini_dist.launch.step_timing import sleep_cycles_for

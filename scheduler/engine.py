@@ -322,15 +322,8 @@ class SiteRunner:
             STORE.records.write_disk(s.cache_dir, key, record)
         self.last_tuning = record
         self.last_decision = dict(record, source="tuned")
-        if plane is None or plane.rank == 0:
-            bucket = f" tokens<={record['bucket']}" if record["bucket"] else ""
-            report.tuned(f"infini_dist: tuned {record['op']}{bucket} "
-                         f"{'/'.join(record['dtypes'])} -> {mine} {worst[mine] * 1e6:.1f}us "
-                         f"({len(survivors)} choices, {record['tuning_s']:.2f}s, {key[:12]})",
-                         loud=s.debug_mode)
-        log.debug("infini_dist: timings for %s: %s", key[:12],
-                  ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(worst.items(),
-                                                                       key=lambda x: x[1])))
+        report.tuned_site(record, key, loud=s.debug_mode,
+                          announce=plane is None or plane.rank == 0)
         return next(c for c in survivors if c.name == mine)
 
 

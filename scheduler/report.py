@@ -28,6 +28,21 @@ def tuned(line: str, loud: bool = False) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def tuned_site(record: dict, key: str, loud: bool, announce: bool) -> None:
+    """A site's tuning outcome: one line where `announce` (one rank of the group says it), and
+    every choice's time at debug level."""
+    times = record["times_s"]
+    if announce:
+        bucket = f" tokens<={record['bucket']}" if record["bucket"] else ""
+        tuned(f"infini_dist: tuned {record['op']}{bucket} {'/'.join(record['dtypes'])} -> "
+              f"{record['choice']} {times[record['choice']] * 1e6:.1f}us "
+              f"({len(record['candidates'])} choices, {record['tuning_s']:.2f}s, {key[:12]})",
+              loud=loud)
+    log.debug("infini_dist: timings for %s: %s", key[:12],
+              ", ".join(f"{n}={t * 1e6:.1f}us" for n, t in sorted(times.items(),
+                                                                   key=lambda x: x[1])))
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
