@@ -16,15 +16,22 @@ TINY = ["--device", "cpu", "--tokens", "16", "--steps", "3", "--warmup", "1", "-
 
 
 def test_train_bench_runs_small_on_cpu(tmp_path):
+    """Every variant in one job, the matmul prologue's too: config.matmul_prologue is off for
+    the job (its CPU "auto" is off as well, compile/passes.py), so that variant turning it on
+    beside the pass without it is the flag's A/B in one run. Its forward sites take their
+    row-parallel projection (the backward needs the matmul's inputs, never its output), the
+    other variants' do not, and every loss curve is plain compile's. (A job of its own for the
+    prologue compiled inductor and infini_dist a second time.)"""
     out = tmp_path / "out"
-    # fused AdamW (the foreach default is the same code with the other flag); the matmul
-    # prologue's variant has a test of its own (below)
-    variants = [v for v in bench_train.VARIANTS if v != bench_train.MATMUL]
+    # fused AdamW (the foreach default is the same code with the other flag)
+    variants = list(bench_train.VARIANTS)
     run = run_cli(tmp_path, "bench", "--train", "--nproc", "2", *TINY, "--out", str(out),
-                  "--variants", ",".join(variants), "--optimizers", "fused", timeout=400)
+                  "--variants", ",".join(variants), "--optimizers", "fused", timeout=500,
+                  INFINI_DIST_MATMUL_PROLOGUE="0")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["world_size"] == 2 and data["meta"]["dtype"] == "float32"
+    assert data["meta"]["matmul_prologue"] is False
     rows = {r["variant"]: r for r in data["rows"]}
     assert set(rows) == set(variants)
     for row in rows.values():
@@ -44,6 +51,13 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
         ops = rows[variant]["site_ops"]
         assert "all_reduce+add_rms_norm+rms_rstd" in ops
         assert any(o.startswith("all_reduce+") and "rms" not in o for o in ops)  # backward's
+    # the prologue's variant: its forward sites start with the GEMM, its backward's do not;
+    # no other variant's site takes a matmul
+    ops = rows[bench_train.MATMUL]["site_ops"]
+    assert "matmul+all_reduce+add_rms_norm+rms_rstd" in ops, ops
+    assert any(o.startswith("all_reduce+") for o in ops), ops  # the backward's, no matmul
+    assert not any(o.startswith("matmul") for v in variants if v != bench_train.MATMUL
+                   for o in rows[v]["site_ops"]), rows
     # with the "overlap" fusion type the backward sites take their layer's weight gradient:
     # gate_up's (the norm backward's two muls after it) and qkv's (one mul)
     wgrad = rows[bench_train.WGRAD]["site_ops"]
@@ -52,7 +66,7 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
     verdicts = {v["variant"]: v for v in data["verdicts"]}
     assert set(verdicts) == {"inductor_overlap", "infini_dist", "infini_dist_overlap",
                              "infini_dist_forward_overlap", "infini_dist_eager_timing",
-                             bench_train.WGRAD, bench_train.FLOOR}
+                             bench_train.WGRAD, bench_train.MATMUL, bench_train.FLOOR}
     # config.backward_sites off: the two forward sites only, the backward left to Inductor
     forward_only = rows["infini_dist_forward_overlap"]
     assert forward_only["sites"] + forward_only["native_sites"] == 2, forward_only
@@ -62,7 +76,7 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
     assert verdicts["infini_dist_forward_overlap"]["loss_rel_diff"] < 1e-4
     assert verdicts["inductor_overlap"]["loss_ok"] and rows["inductor_overlap"]["sites"] == 0
     for variant in ("infini_dist", "infini_dist_overlap", "infini_dist_eager_timing",
-                    bench_train.WGRAD):
+                    bench_train.WGRAD, bench_train.MATMUL):
         verdict = verdicts[variant]
         assert verdict["tokens"] == 16 and verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4
         assert verdict["over_floor"] == pytest.approx(
@@ -114,29 +128,6 @@ def test_the_overlap_peer_runs_compute_between_an_all_reduce_and_its_wait(tmp_pa
                       for options in ({}, bench_train.OVERLAP))
     assert plain[1] == overlap[1] == 4, (plain, overlap)  # 2 forward, 2 backward (one layer)
     assert plain[0] == 0 and overlap[0] >= 1, (plain, overlap)
-
-
-def test_train_bench_with_the_matmul_prologue(tmp_path):
-    """Training with config.matmul_prologue, in the variant that turns it on beside the pass
-    without it (the flag's A/B in one run): its forward sites take their row-parallel
-    projection (the backward needs the matmul's inputs, never its output), the other
-    variant's do not, and both loss curves are plain compile's."""
-    out = tmp_path / "out"
-    run = run_cli(tmp_path, "bench", "--train", "--nproc", "2", *TINY, "--out", str(out),
-                  "--variants", f"inductor,infini_dist,{bench_train.MATMUL}", timeout=300,
-                  INFINI_DIST_MATMUL_PROLOGUE="0")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    data = json.loads((out / "results.json").read_text())
-    assert data["meta"]["matmul_prologue"] is False
-    rows = {r["variant"]: r for r in data["rows"]}
-    ops = rows[bench_train.MATMUL]["site_ops"]
-    assert "matmul+all_reduce+add_rms_norm+rms_rstd" in ops, ops
-    assert any(o.startswith("all_reduce+") for o in ops), ops  # the backward's, no matmul
-    assert not any(o.startswith("matmul") for o in rows["infini_dist"]["site_ops"]), rows
-    verdicts = {v["variant"]: v for v in data["verdicts"]}
-    for variant in ("infini_dist", bench_train.MATMUL):
-        verdict = verdicts[variant]
-        assert verdict["loss_ok"] and verdict["loss_rel_diff"] < 1e-4, verdict
 
 
 def test_train_bench_arguments():
