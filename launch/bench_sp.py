@@ -35,8 +35,7 @@ round median). Host-bound steps drift within a process; timing variants in block
 the other charged that drift to whichever ran first.
 
 A forced algorithm is a process of its own (the engine keeps its decisions for the process):
-.ci/gpu_suite sp runs the four processes. Exit status 1 when an output or loss curve does not
-match.
+.ci/gpu_suite sp runs the four processes. Exit status 1 when an output or loss curve is off.
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ import torch
 import torch.distributed as dist
 
 from infini_dist.launch import collective_free, shutdown
-from infini_dist.launch.arguments import (names, nonempty_ints, parse,
-                                          positive_float, positive_int)
+from infini_dist.launch.arguments import names, nonempty_ints, parse, positive_float, positive_int
 from infini_dist.launch.bench_model import Bench, error_text
 from infini_dist.launch.job import setup
 from infini_dist.launch.model_report import FLOOR
@@ -91,6 +89,14 @@ def force(algorithm: str) -> None:
     from infini_dist.scheduler.store import STORE
     infini_dist.config.enable_disk_cache = False
     STORE.timing_hook = prefer(algorithm)
+
+
+SETTLE_ROUNDS = 3  # untimed rounds at most, before the timed ones
+
+
+def dynamo_compiles() -> int:  # graphs Dynamo has compiled in this process so far
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 class Run:
@@ -235,13 +241,19 @@ class Run:
         (compile workers winding down, clocks); sequential blocks would charge it to one
         variant."""
         entries = [(row, call) for row, call in entries if call is not None]
-        # One untimed round first: a variant's recompile once its sites decide drops the code
-        # its class shares with the others (compile/recompile.py), and they compile again here,
-        # not inside a timed round.
-        for row, call in entries:
-            _, error = self.guarded("settle", lambda: self.one_round(row, call))
-            if error:
-                row["error"] = error
+        # Untimed rounds first, until one compiles nothing on any rank: a variant's recompile
+        # once its sites decide drops the code its class shares with the others
+        # (compile/recompile.py), also the code of variants that ran before it in the round,
+        # and they compile again here, not inside a timed round.
+        for _ in range(SETTLE_ROUNDS):
+            before = dynamo_compiles()
+            for row, call in entries:
+                error = "error" not in row and self.guarded("settle", lambda: (
+                    self.one_round(row, call)))[1]
+                if error:
+                    row["error"] = error
+            if not self.bench.worst(float(dynamo_compiles() - before)):
+                break
         entries = [(row, call) for row, call in entries if "error" not in row]
         medians = {id(row): ([], []) for row, _ in entries}
         for r in range(self.args.rounds):
@@ -249,7 +261,10 @@ class Run:
                 row, call = entries[(i + r) % len(entries)]
                 if "error" in row:
                     continue
+                before = dynamo_compiles()
                 result, error = self.guarded("timing", lambda: self.one_round(row, call))
+                row["compiles_while_timed"] = (row.get("compiles_while_timed", 0)
+                                               + dynamo_compiles() - before)
                 if error:
                     row["error"] = error
                     continue

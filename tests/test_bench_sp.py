@@ -24,6 +24,9 @@ def test_sp_bench_runs_small_on_cpu(tmp_path):
     variants = ("inductor", "infini_dist")
     assert set(rows) == {(v, k) for v in variants for k in ("forward", "train")}
     assert all(r["ms"] > 0 and r["spread"] >= 1.0 for r in rows.values())
+    # the untimed rounds absorbed every recompile (a decided site's drops the code its class
+    # shares with the other variants): no timed round includes a compile
+    assert all(r["compiles_while_timed"] == 0 for r in rows.values()), rows
     assert all(rows[v, "forward"]["host_ms"] > 0 for v in variants)
     for kind in ("forward", "train"):
         assert rows["infini_dist", kind]["sites"] > 0
@@ -31,8 +34,9 @@ def test_sp_bench_runs_small_on_cpu(tmp_path):
     assert "-- profile 16 forward infini_dist, by host time --" in run.stdout
     assert rows["infini_dist", "forward"]["rel_l2_vs_eager"] < 1e-4
     assert rows["infini_dist", "train"]["loss_rel_diff"] < 1e-4
-    # the warm-up step, one settling round and two timed rounds of 2 steps: every step's loss
-    assert len(rows["infini_dist", "train"]["losses"]) == 1 + 2 + 2 * 2
+    # the warm-up step, 1 to 3 untimed rounds (until one compiles nothing) and two timed rounds,
+    # of 2 steps each: every step's loss
+    assert len(rows["infini_dist", "train"]["losses"]) in [1 + 2 * k + 2 * 2 for k in (1, 2, 3)]
 
 
 def _row(variant, kind, ms, **more):
