@@ -41,7 +41,7 @@ from infini_dist.launch.arguments import (add_model_sizes, names, nonnegative_in
                                           positive_int)
 from infini_dist.launch.bench_hf import FAMILIES, load_tp_model, make_config
 from infini_dist.launch.bench_model import Bench
-from infini_dist.launch.job import setup
+from infini_dist.launch.job import dynamo_compiles, setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.generate_report import VARIANTS, speed, summarize, table, verdict
 MODULE = "infini_dist.launch.bench_generate"  # what torchrun starts (__name__ may be __main__)
@@ -137,8 +137,6 @@ def profile(call, args) -> None:
 
 
 def run_variant(args) -> int:
-    from torch._dynamo.utils import counters
-
     import infini_dist.compile as idc
     started = time.perf_counter()
 
@@ -163,7 +161,7 @@ def run_variant(args) -> int:
         for index in range(args.warmup):
             tokens, _, _ = timed_generate(model, bench, prompt, config, watch)
             phase(f"warm-up call {index + 1} (compile, tuning, graph recording)")
-        graphs_before = counters["stats"]["unique_graphs"]
+        graphs_before = dynamo_compiles()
         for _ in range(args.reps):
             tokens, wall_ms, step_ms = timed_generate(model, bench, prompt, config, watch)
             walls.append(wall_ms)
@@ -190,8 +188,8 @@ def run_variant(args) -> int:
         "pass_graphs": idc.stats["graphs"], "sites": idc.stats["sites"],
         "last_sites": len(idc.last_sites), "decisions": sorted(
             {(d["op"], d["choice"]) for d in idc.decisions()}),
-        "dynamo_graphs": counters["stats"]["unique_graphs"],
-        "timing_graphs": counters["stats"]["unique_graphs"] - graphs_before,
+        "dynamo_graphs": dynamo_compiles(),
+        "timing_graphs": dynamo_compiles() - graphs_before,
     }
     result["pass_ran"] = result["sites"] > 0
     result.update(watch.report() if bench.cuda and args.variant != "eager"

@@ -71,7 +71,7 @@ from infini_dist.launch.arguments import (add_decode_shapes, add_matmul_prologue
                                           names, parse, positive_float, positive_int,
                                           positive_ints)
 from infini_dist.launch.bench_model import Bench, run_shape
-from infini_dist.launch.job import run_meta, setup
+from infini_dist.launch.job import dynamo_compiles, run_meta, setup
 from infini_dist.launch.cudagraph_watch import CudagraphWatch
 from infini_dist.launch.model_report import (FLOOR, VARIANTS, Target, add_floor_ratios, plot,
                                              print_details, summary)
@@ -214,8 +214,7 @@ def profile_variants(bench: Bench, steps: dict, family: str, shape: Shape, args)
     alone makes them (`time_device`), and with --profile a profiler view of a decode step of
     each (traces under --out from rank 0). Each variant's `timing_graphs` counts
     the Dynamo graphs compiled meanwhile: anything but 0 means the timing ran other code."""
-    from torch._dynamo.utils import counters
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = dynamo_compiles()
     timings = time_interleaved(bench, steps, args.rounds, args.round_calls)
     if bench.cuda:
         device = time_device(bench, steps, args.rounds, args.round_calls,
@@ -228,7 +227,7 @@ def profile_variants(bench: Bench, steps: dict, family: str, shape: Shape, args)
                                  .replace(" ", "_")) if dist.get_rank() == 0 else None
             timings[variant]["profile"] = profile_step(step, 3, bench.cuda, trace)
     for fields in timings.values():
-        fields["timing_graphs"] = int(bench.worst(counters["stats"]["unique_graphs"] - graphs))
+        fields["timing_graphs"] = int(bench.worst(dynamo_compiles() - graphs))
     return timings
 
 

@@ -55,7 +55,7 @@ from infini_dist.launch.arguments import (add_decode_shapes, add_matmul_prologue
                                           positive_int, usage_error)
 from infini_dist.launch.model_report import (FLOOR, PREFILL_TARGET, VARIANTS, add_floor_ratios,
                                              plot, print_details, summarize, summary)
-from infini_dist.launch.job import run_meta, setup
+from infini_dist.launch.job import dynamo_compiles, run_meta, setup
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, Shape, check_shapes, make_inputs
 
 
@@ -171,14 +171,13 @@ class Bench:
 
     def _run(self, variant: str, fn) -> tuple[dict, torch.Tensor | None]:
         import infini_dist.compile as idc
-        from torch._dynamo.utils import counters
 
         from infini_dist.scheduler.native_inductor import epilogues_compiled
         row = {"variant": variant}
         sites, pass_graphs = idc.stats["sites"], idc.stats["graphs"]
         chains = len(idc.chain_decisions())
         floor_counts = self.floor.counts()
-        graphs = counters["stats"]["unique_graphs"] - epilogues_compiled()
+        graphs = dynamo_compiles() - epilogues_compiled()
         begin, error = time.perf_counter(), None
         try:
             with torch.no_grad():
@@ -193,8 +192,7 @@ class Bench:
             return row, None
         if variant != "eager":
             # the model's own graphs: the engine's native epilogues are Dynamo graphs too
-            row["dynamo_graphs"] = (counters["stats"]["unique_graphs"] - epilogues_compiled()
-                                    - graphs)
+            row["dynamo_graphs"] = dynamo_compiles() - epilogues_compiled() - graphs
         if variant == "infini_dist":
             row["sites"] = idc.stats["sites"] - sites
             row["pass_graphs"] = idc.stats["graphs"] - pass_graphs

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from infini_dist.launch import collective_free, shutdown
 from infini_dist.launch.arguments import names, nonempty_ints, parse, positive_float, positive_int
 from infini_dist.launch.bench_model import Bench, error_text
-from infini_dist.launch.job import setup
+from infini_dist.launch.job import dynamo_compiles, setup
 from infini_dist.launch.model_report import FLOOR
 from infini_dist.launch.sp_report import compare, table
 from infini_dist.scheduler.benchmark import time_reps
@@ -92,11 +92,6 @@ def force(algorithm: str) -> None:
 
 
 SETTLE_ROUNDS = 3  # untimed rounds at most, before the timed ones
-
-
-def dynamo_compiles() -> int:  # graphs Dynamo has compiled in this process so far
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
 
 
 class Run:
@@ -248,8 +243,9 @@ class Run:
         for _ in range(SETTLE_ROUNDS):
             before = dynamo_compiles()
             for row, call in entries:
-                error = "error" not in row and self.guarded("settle", lambda: (
-                    self.one_round(row, call)))[1]
+                if "error" in row:
+                    continue
+                _, error = self.guarded("settle", lambda: self.one_round(row, call))
                 if error:
                     row["error"] = error
             if not self.bench.worst(float(dynamo_compiles() - before)):

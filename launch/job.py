@@ -33,6 +33,13 @@ def setup(args):
     return device, torch.bfloat16, dist.new_group(backend="gloo")
 
 
+def dynamo_compiles() -> int:
+    """Graphs Dynamo has compiled in this process so far: a bench reads it around a phase to
+    see whether that phase compiled (timed calls must not)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
 def run_meta(args, device, dtype, started: float) -> dict:
     """What results.json says about the run itself."""
     meta = {"world_size": dist.get_world_size(), "dtype": str(dtype).replace("torch.", ""),
