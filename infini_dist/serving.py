@@ -18,7 +18,7 @@ import time
 import torch
 
 import infini_dist
-from infini_dist.scheduler import buckets, report
+from infini_dist.scheduler import buckets
 from infini_dist.scheduler.store import STORE
 
 
@@ -82,14 +82,12 @@ def warmup(model, inputs, token_counts=None, *, token_dim: int = 0,
     # Warm-up is where tuning belongs, whatever serving allows.
     allow = (infini_dist.config.patch(tune_at_request_time=True)
              if not settings.tune_at_request_time else contextlib.nullcontext())
-    saved, report.progress_bar = report.progress_bar, (None if bar.disable else bar)
     try:
         with allow, torch.no_grad():
             for tokens in bar:
                 bar.set_postfix(tokens=tokens, tuned=STORE.records.misses - misses)
                 _call(model, make(tokens))
     finally:
-        report.progress_bar = saved
         bar.close()
     return {"token_counts": counts, "tuned": STORE.records.misses - misses,
             "cached": STORE.records.hits - hits, "seconds": time.perf_counter() - started}

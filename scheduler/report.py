@@ -1,8 +1,9 @@
 """Tuning says what it did: one line per tuned site, on rank 0 only (the caller checks the rank).
 
-While a warm-up progress bar is up the line goes through tqdm (so the bar stays whole); else to
-the `infini_dist` logger at INFO, or to stderr where logging is not configured at all (Python
-would drop an INFO record then, and a model tuning for seconds in silence looks hung).
+The line goes to the `infini_dist` logger at INFO, or where logging is not configured at all,
+to stderr through tqdm.write (Python would drop an INFO record then, and a model tuning for
+seconds in silence looks hung; tqdm.write keeps the warm-up's progress bar whole). Configured
+logging is the user's: its handlers decide where the line goes.
 """
 
 from __future__ import annotations
@@ -14,18 +15,15 @@ import torch
 
 log = logging.getLogger("infini_dist")
 
-progress_bar = None  # the warm-up's tqdm bar while it runs (infini_dist.warmup sets it)
-
 
 def tuned(line: str, loud: bool = False) -> None:
-    if progress_bar is not None:
-        progress_bar.write(line, file=progress_bar.fp)
+    if not log.hasHandlers():
+        from tqdm import tqdm
+        tqdm.write(line, file=sys.stderr)  # what logging's last resort does for a warning too
     elif loud:
         log.warning(line)
-    elif log.hasHandlers():
-        log.info(line)
     else:
-        print(line, file=sys.stderr, flush=True)
+        log.info(line)
 
 
 def tuned_site(record: dict, key: str, loud: bool, announce: bool) -> None:

@@ -74,11 +74,16 @@ class DecisionStore:
         self.static_texts.add(text)
 
     def digest(self, static_only: bool = False) -> str:
-        """Digest of the compiled sites' decisions that change what the pass writes (those
-        fusing nothing); `static_only`: of sites compiled with static shapes alone."""
+        """Digest of the compiled sites' decisions that change what the pass writes
+        (compile/decided.py): native, or fusing nothing where the site has more than its
+        collective; `static_only`: of sites compiled with static shapes alone. A collective
+        alone that decided ours is written the same again, so compiling again for it would
+        only cost the compile."""
+        from infini_dist.scheduler.choices import NATIVE  # choices' ops import the store
         parts = []
         for ((graph, _, compiled, _, _), bucket), choice in list(self.decided.items()):
-            if compiled and choice.fuses_nothing:
+            if compiled and (choice.name == NATIVE
+                             or (choice.fuses_nothing and len(graph.nodes) > 1)):
                 text = graph.canonical()
                 if not static_only or text in self.static_texts:
                     parts.append((text, repr(bucket), choice.name))

@@ -1,7 +1,8 @@
 """compile_model compiles again by itself once its sites decide (compile/recompile.py): no
 torch._dynamo.reset(), no second compile_model. 2 gloo ranks; the timing hook makes native win,
 so the site goes whole -> its all_reduce alone -> Inductor's own code, as in
-test_compile_decided, over calls of one compiled function or module."""
+test_compile_decided, over calls of one compiled function or module. Where our bare all_reduce
+wins, the site goes whole -> its all_reduce alone, and that decision compiles nothing more."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from multirank import run_ranks
+from test_compile_decided import _bare_algorithm, _bare_fastest
 from test_compile_tp import _ar, _one_compile_thread
 from test_native import EPS, _slow_fused
 
@@ -30,6 +32,7 @@ def recompile_rank(rank, world_size):
 
     import infini_dist
     import infini_dist.compile as idc
+    from infini_dist.scheduler.choices import register_algorithm
     from infini_dist.scheduler.store import STORE
 
     _one_compile_thread()
@@ -37,6 +40,10 @@ def recompile_rank(rank, world_size):
     module = Block(group)
 
     def block(x, residual, weight):
+        h = _ar(x, group) + residual
+        return F.rms_norm(h, (32,), weight, EPS), h
+
+    def bare_block(x, residual, weight):  # a code object of its own: none of block's entries
         h = _ar(x, group) + residual
         return F.rms_norm(h, (32,), weight, EPS), h
 
@@ -76,6 +83,12 @@ def recompile_rank(rank, world_size):
             x, residual = inputs(16)
             plain = idc.compile_model(block, recompile_decided=False)
             result["off"] = calls(plain, (x, residual, weight), block(x, residual, weight), n=3)
+            register_algorithm("all_reduce", "cpu", _bare_algorithm())
+            STORE.timing_hook = _bare_fastest
+            x, residual = inputs(32)
+            fn = idc.compile_model(bare_block)
+            result["bare"] = calls(fn, (x, residual, weight), block(x, residual, weight), n=4)
+            result["bare_recompiles"] = idc.recompiles(fn)
     finally:
         STORE.timing_hook = None
     return result
@@ -94,3 +107,7 @@ def test_compile_model_recompiles_once_sites_decide():
         assert r["module_is_a_module"]
         # recompile_decided=False: the first compile stays, its site through our op
         assert r["off"] == [(1, 0, True), (0, 0, True), (0, 0, True)], r["off"]
+        # ours wins: call 2 compiles the all_reduce alone, which decides ours; written the same
+        # again, it is no reason to compile a third time
+        assert r["bare"] == [(1, 0, True), (1, 0, True), (0, 0, True), (0, 0, True)], r["bare"]
+        assert r["bare_recompiles"] == 1
