@@ -108,7 +108,7 @@ FLAGS = {
     # tensors, none on the CPU (compile/passes.py). There it wins prefill and holds decode on
     # 2 GPUs; in a graph run launch by launch a site with its GEMM costs more host time (two
     # launches, not made from C++), which made a training step 2-16% slower
-    # (docs/benchmarks.md, session 34).
+    # (docs/benchmarks_history.md, session 34).
     "matmul_prologue": (AUTO, check_bool_or_auto),
     # With matmul_prologue: consecutive prefill sites whose residual runs from one to the next
     # become one row-split chain (compile/chain_match.py), which runs site by site or with each
