@@ -49,7 +49,7 @@ from infini_dist.launch import collective_free, shutdown
 from infini_dist.launch.arguments import (add_matmul_prologue, add_model_sizes, names,
                                           nonempty_ints, nonnegative_int, parse, positive_float,
                                           positive_int, usage_error)
-from infini_dist.launch.job import setup
+from infini_dist.launch.job import dynamo_compiles, setup
 from infini_dist.launch.step_timing import sleep_cycles_for
 from infini_dist.launch.tp_decoder import Decoder, ModelConfig, check_shapes
 
@@ -124,21 +124,29 @@ def step_data(tokens: int, args, device, dtype) -> tuple:
     return x, torch.randn(1, tokens, args.model.hidden, generator=shared, device=device)
 
 
-def decide_then_recompile(model, tokens: int, args, device, dtype, options=None,
-                          rounds: int = 2):
-    """Per round: compile with the pass, run one forward and backward (every site decides; no
-    optimizer step, so the weights stay those of the other variant), forget the compiled code.
-    Then compile for good: sites decided native are Inductor's code, and a site decided native
-    or fusing nothing becomes its collective alone, which the next round decides
-    (compile/decided.py)."""
+def decide_then_recompile(model, tokens: int, args, device, dtype, control, options=None):
+    """compile_model with the pass, then forward and backward steps (no optimizer step, so the
+    weights stay those of the other variant) until one compiles nothing on any rank, as a
+    user's first steps go: every site decides, and compile_model compiles again by itself after
+    a decision that changes what the pass writes (compile/recompile.py). Sites decided native
+    are then Inductor's code, and a site that fused nothing is its collective alone. Returns
+    the compiled model and (sites, sites left native) of its last compile, the one that runs."""
     import infini_dist.compile as idc
+    from infini_dist.compile.recompile import MAX_RECOMPILES
     x, target = step_data(tokens, args, device, dtype)
-    for _ in range(rounds):
-        torch.nn.functional.mse_loss(idc.compile_model(model, options=options)(x).float(),
-                                     target).backward()
+    forward = idc.compile_model(model, options=options)
+    last = (0, 0)
+    for _ in range(MAX_RECOMPILES + 2):
+        before, sites, native = dynamo_compiles(), idc.stats["sites"], idc.stats["native_sites"]
+        torch.nn.functional.mse_loss(forward(x).float(), target).backward()
         model.zero_grad(set_to_none=True)
-        torch._dynamo.reset()
-    return idc.compile_model(model, options=options)
+        compiled = torch.tensor([dynamo_compiles() - before])
+        if int(compiled):
+            last = (idc.stats["sites"] - sites, idc.stats["native_sites"] - native)
+        dist.all_reduce(compiled, op=dist.ReduceOp.MAX, group=control)  # one exit on every rank
+        if not int(compiled):
+            break
+    return forward, last
 
 
 def train_curve(model, forward, tokens: int, optimizer_kind: str, args, device, dtype,
@@ -171,10 +179,13 @@ def train_curve(model, forward, tokens: int, optimizer_kind: str, args, device, 
         return time.perf_counter() - start
 
     for index in range(args.steps):
+        if index == args.warmup:
+            compiles = dynamo_compiles()
         took = step()
         if index >= args.warmup:
             times.append(took)
-    row = {"losses": losses[:], "step_ms": max_over_ranks(times, control) * 1e3}
+    row = {"losses": losses[:], "step_ms": max_over_ranks(times, control) * 1e3,
+           "compiles_while_timed": dynamo_compiles() - compiles}
     row["tokens_per_s"] = tokens / row["step_ms"] * 1e3
     if args.head_start_ms and device.type == "cuda":
         cycles, sleep_s = sleep_cycles_for(args.head_start_ms * 1e-3, device)
@@ -220,17 +231,20 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
             forward = torch.compile(model, options=OVERLAP)
         elif variant == FLOOR:
             forward = collective_free.compile_model(model, floor)
-        else:
-            forward = decide_then_recompile(model, tokens, args, device, dtype,
-                                            OVERLAP if variant.endswith("_overlap") else None)
+        else:  # (sites, sites left native) of the compile its timed steps run
+            forward, counted = decide_then_recompile(
+                model, tokens, args, device, dtype, control,
+                OVERLAP if variant.endswith("_overlap") else None)
         sites_before, native_before = idc.stats["sites"], idc.stats["native_sites"]
         row = train_curve(model, forward, tokens, optimizer, args, device, dtype, control)
+        if variant in ("inductor", "inductor_overlap", FLOOR):  # compiled in the first step
+            counted = (idc.stats["sites"] - sites_before,
+                       idc.stats["native_sites"] - native_before)
         # the IR ops of each kind of site that ran under this variant, forward and backward
         ran = idc.decisions(infini_dist.config.snapshot()) \
             if variant not in ("inductor", "inductor_overlap", FLOOR) else []
     row.update(variant=variant, tokens=tokens, optimizer=optimizer,
-               sites=idc.stats["sites"] - sites_before,
-               native_sites=idc.stats["native_sites"] - native_before,
+               sites=counted[0], native_sites=counted[1],
                site_ops=sorted({d["op"] for d in ran}),
                # each tuned site's committed choice and every choice's time (max over ranks)
                decided=[{"op": d["op"], "choice": d["choice"], "times_us": {

@@ -169,7 +169,7 @@ def _profile(variant, args, device, dtype, control, out):
     elif variant == FLOOR:
         forward = collective_free.compile_model(model, collective_free.CollectiveFree())
     else:
-        forward = decide_then_recompile(model, args.tokens[0], args, device, dtype)
+        forward, _ = decide_then_recompile(model, args.tokens[0], args, device, dtype, control)
     row = train_curve(model, forward, args.tokens[0], "foreach", args, device, dtype, control)
     x = torch.randn(1, args.tokens[0], args.model.hidden, device=device).to(dtype)
     target = torch.randn(1, args.tokens[0], args.model.hidden, device=device)

@@ -37,6 +37,8 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
     for row in rows.values():
         assert len(row["losses"]) == 3 and row["step_ms"] > 0 and row["tokens_per_s"] > 0
         assert row["optimizer"] == "fused"
+        # the pass's variants compiled until their sites decided, before the first step
+        assert row["compiles_while_timed"] == 0, row
     assert rows["inductor"]["sites"] == 0 and rows["inductor_overlap"]["native_sites"] == 0
     # The floor: every collective of its forward and backward graphs gone (2 + 2 a layer), and
     # its sums partial, so its curve is its own (the pass's equals inductor's, below).
