@@ -130,7 +130,8 @@ def decide_then_recompile(model, tokens: int, args, device, dtype, control, opti
     user's first steps go: every site decides, and compile_model compiles again by itself after
     a decision that changes what the pass writes (compile/recompile.py). Sites decided native
     are then Inductor's code, and a site that fused nothing is its collective alone. Returns
-    the compiled model and (sites, sites left native) of its last compile, the one that runs."""
+    the compiled model, and (sites, sites left native) of its last compile, the one that runs,
+    with the number of times compile_model compiled it again."""
     import infini_dist.compile as idc
     from infini_dist.compile.recompile import MAX_RECOMPILES
     x, target = step_data(tokens, args, device, dtype)
@@ -146,7 +147,7 @@ def decide_then_recompile(model, tokens: int, args, device, dtype, control, opti
         dist.all_reduce(compiled, op=dist.ReduceOp.MAX, group=control)  # one exit on every rank
         if not int(compiled):
             break
-    return forward, last
+    return forward, (*last, idc.recompiles(forward))
 
 
 def train_curve(model, forward, tokens: int, optimizer_kind: str, args, device, dtype,
@@ -231,7 +232,7 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
             forward = torch.compile(model, options=OVERLAP)
         elif variant == FLOOR:
             forward = collective_free.compile_model(model, floor)
-        else:  # (sites, sites left native) of the compile its timed steps run
+        else:  # (sites, sites left native) of the compile its timed steps run, recompiles
             forward, counted = decide_then_recompile(
                 model, tokens, args, device, dtype, control,
                 OVERLAP if variant.endswith("_overlap") else None)
@@ -239,12 +240,12 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
         row = train_curve(model, forward, tokens, optimizer, args, device, dtype, control)
         if variant in ("inductor", "inductor_overlap", FLOOR):  # compiled in the first step
             counted = (idc.stats["sites"] - sites_before,
-                       idc.stats["native_sites"] - native_before)
+                       idc.stats["native_sites"] - native_before, None)
         # the IR ops of each kind of site that ran under this variant, forward and backward
         ran = idc.decisions(infini_dist.config.snapshot()) \
             if variant not in ("inductor", "inductor_overlap", FLOOR) else []
     row.update(variant=variant, tokens=tokens, optimizer=optimizer,
-               sites=counted[0], native_sites=counted[1],
+               sites=counted[0], native_sites=counted[1], recompiles=counted[2],
                site_ops=sorted({d["op"] for d in ran}),
                # each tuned site's committed choice and every choice's time (max over ranks)
                decided=[{"op": d["op"], "choice": d["choice"], "times_us": {
