@@ -14,8 +14,9 @@ for backward) and the backward graph the input-gradient all_reduces with their e
 One step: forward over `tokens` tokens (batch 1), MSE against a fixed replicated target,
 backward, AdamW (`--optimizers`: torch's foreach implementation, its fused one, or both, each a
 row of its own). Per tokens-per-step, optimizer and variant (inductor: torch.compile(model);
-infini_dist: compile_model(model), after rounds of one forward and backward that decide every
-site, so that sites decided native stay Inductor's code; inductor_overlap and
+infini_dist: compile_model(model), after forward and backward rounds until its sites have
+decided and it has compiled itself again (no round compiles), so sites decided native are
+Inductor's code; inductor_overlap and
 infini_dist_overlap: the same two with Inductor's compute/communication overlap options,
 OVERLAP; infini_dist_forward_overlap: the latter with config.backward_sites off;
 infini_dist_wgrad: the pass with the "overlap" fusion type, each backward site running its
@@ -125,25 +126,24 @@ def step_data(tokens: int, args, device, dtype) -> tuple:
 
 
 def decide_then_recompile(model, tokens: int, args, device, dtype, control, options=None):
-    """compile_model with the pass, then forward and backward steps (no optimizer step, so the
-    weights stay those of the other variant) until one compiles nothing on any rank, as a
-    user's first steps go: every site decides, and compile_model compiles again by itself after
-    a decision that changes what the pass writes (compile/recompile.py). Sites decided native
-    are then Inductor's code, and a site that fused nothing is its collective alone. Returns
-    the compiled model, and (sites, sites left native) of its last compile, the one that runs,
-    with the number of times compile_model compiled it again."""
+    """compile_model with the pass, then forward and backward steps (no optimizer step: the
+    weights stay the other variants') until one compiles nothing on any rank. As in a user's
+    first steps, the sites decide and compile_model compiles itself again (compile/recompile.py).
+    Returns it with (sites, sites left native) of its last compile, the one timed, and how many
+    times it compiled again."""
     import infini_dist.compile as idc
     from infini_dist.compile.recompile import MAX_RECOMPILES
     x, target = step_data(tokens, args, device, dtype)
     forward = idc.compile_model(model, options=options)
-    last = (0, 0)
-    for _ in range(MAX_RECOMPILES + 2):
-        before, sites, native = dynamo_compiles(), idc.stats["sites"], idc.stats["native_sites"]
+    for index in range(MAX_RECOMPILES + 2):
+        before, drops = dynamo_compiles(), idc.recompiles(forward)
+        sites, native = idc.stats["sites"], idc.stats["native_sites"]
         torch.nn.functional.mse_loss(forward(x).float(), target).backward()
         model.zero_grad(set_to_none=True)
-        compiled = torch.tensor([dynamo_compiles() - before])
-        if int(compiled):
+        if index == 0 or idc.recompiles(forward) > drops:  # the model compiled (again)
             last = (idc.stats["sites"] - sites, idc.stats["native_sites"] - native)
+        # the native choices' epilogues compile as they tune: a round of neither ends it
+        compiled = torch.tensor([dynamo_compiles() - before])
         dist.all_reduce(compiled, op=dist.ReduceOp.MAX, group=control)  # one exit on every rank
         if not int(compiled):
             break
