@@ -14,10 +14,9 @@ for backward) and the backward graph the input-gradient all_reduces with their e
 One step: forward over `tokens` tokens (batch 1), MSE against a fixed replicated target,
 backward, AdamW (`--optimizers`: torch's foreach implementation, its fused one, or both, each a
 row of its own). Per tokens-per-step, optimizer and variant (inductor: torch.compile(model);
-infini_dist: compile_model(model), after forward and backward rounds until its sites have
-decided and it has compiled itself again (no round compiles), so sites decided native are
-Inductor's code; inductor_overlap and
-infini_dist_overlap: the same two with Inductor's compute/communication overlap options,
+infini_dist: compile_model(model), after forward and backward rounds until no round compiles
+(its sites decided, it compiled itself again), so sites decided native are Inductor's code;
+inductor_overlap and infini_dist_overlap: the same two with Inductor's compute/communication overlap options,
 OVERLAP; infini_dist_forward_overlap: the latter with config.backward_sites off;
 infini_dist_wgrad: the pass with the "overlap" fusion type, each backward site running its
 weight-gradient GEMMs beside its all_reduce, asked for by --variants;
@@ -226,19 +225,20 @@ def run_variant(variant: str, tokens: int, optimizer: str, args, device, dtype,
                                   else infini_dist.config.matmul_prologue,
                                   custom_op_fusion_types=types + ("overlap",) * (
                                       variant == WGRAD)):
+        counted = None  # (sites, sites left native, recompiles) of the compile timed
         if variant == "inductor":
             forward = torch.compile(model)
         elif variant == "inductor_overlap":
             forward = torch.compile(model, options=OVERLAP)
         elif variant == FLOOR:
             forward = collective_free.compile_model(model, floor)
-        else:  # (sites, sites left native) of the compile its timed steps run, recompiles
+        else:
             forward, counted = decide_then_recompile(
                 model, tokens, args, device, dtype, control,
                 OVERLAP if variant.endswith("_overlap") else None)
         sites_before, native_before = idc.stats["sites"], idc.stats["native_sites"]
         row = train_curve(model, forward, tokens, optimizer, args, device, dtype, control)
-        if variant in ("inductor", "inductor_overlap", FLOOR):  # compiled in the first step
+        if counted is None:  # compiled in its first step
             counted = (idc.stats["sites"] - sites_before,
                        idc.stats["native_sites"] - native_before, None)
         # the IR ops of each kind of site that ran under this variant, forward and backward
