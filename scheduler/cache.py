@@ -21,7 +21,9 @@ import torch
 
 log = logging.getLogger("infini_dist")
 
-CACHE_FORMAT = 1
+# 2: a compiled site's partial-epilogue choices are timed with their rest compiled by Inductor
+# (scheduler/native_inductor.py); decisions timed with it in eager torch are not reused.
+CACHE_FORMAT = 2
 
 
 def versions() -> dict[str, str]:

@@ -201,7 +201,9 @@ class Choice:
         self.name = name
         self.graph = graph
         self.site = site
-        self.steps = steps  # ("nodes", indices: run natively) or ("span", span)
+        # ("nodes", indices: run natively), ("span", span), or ("inductor", InductorSteps: a
+        # compiled site's unfused epilogue, run as Inductor compiles it)
+        self.steps = steps
         self.span = span
         self.algorithm = algorithm
         self._runner: Runner | None = None
@@ -217,6 +219,9 @@ class Choice:
         self._ctx = ctx
         if self.span is not None:
             self._runner = self.algorithm.compile(self.span, meta, ctx)
+        for kind, payload in self.steps:
+            if kind == "inductor":
+                payload.prepare(meta)
         self._direct = self._whole_span
 
     @property
@@ -237,6 +242,8 @@ class Choice:
         for kind, payload in self.steps:
             if kind == "nodes":
                 run_nodes(self.graph, payload, env, self._ctx, native=True)
+            elif kind == "inductor":
+                payload.run(env, self._ctx, self.name)
             else:
                 env.update(self._runner(env))
         return {name: env[name] for name in self.outputs}
@@ -248,14 +255,28 @@ class Choice:
 NATIVE = "native"
 
 
-def native_choice(graph: SubGraph, site: Site, compiled: bool = False) -> Choice:
+def native_choice(graph: SubGraph, site: Site, compiled: bool = False,
+                  name: str = NATIVE) -> Choice:
     """The user's own path: the collective through torch.distributed, the other nodes as plain
     torch ops in eager mode, or for a `compiled` site (one torch.compile put there) the epilogue
     as Inductor compiles it."""
     if compiled:
         from infini_dist.scheduler.native_inductor import InductorNativeChoice
-        return InductorNativeChoice(graph, site)
-    return Choice(NATIVE, [("nodes", site.region)], graph, site)
+        return InductorNativeChoice(graph, site, name)
+    return Choice(name, [("nodes", site.region)], graph, site)
+
+
+def _unfused_epilogue(graph: SubGraph, indices: tuple[int, ...], compiled: bool) -> list:
+    """The steps after a fused span that runs only part of the epilogue. In a compiled site
+    native's epilogue is Inductor's code, so these nodes are too: the same handicap on both
+    sides, and the code a committed choice runs is as fast as the user's graph would have made
+    it."""
+    if not compiled:
+        return [("nodes", indices)]
+    from infini_dist.scheduler.native_inductor import InductorSteps, leading_compilable
+    head, tail = leading_compilable(graph, indices)
+    return ([("inductor", InductorSteps(graph, head))] if head else []) + \
+        ([("nodes", tail)] if tail else [])
 
 
 def _depths(limit: int, enabled: bool, recursive: bool) -> list[int]:
@@ -269,19 +290,18 @@ def generate_choices(graph: SubGraph, site: Site, meta: dict[str, TensorMeta], c
                      enable_fusion: bool = True, compiled: bool = False) -> list[Choice]:
     """The native choice first, then every supported fused choice, in a deterministic order."""
     fused = _fused_choices(graph, site, site, meta, ctx, [], "", set(fusion_types), max_depth,
-                           recursive, enable_fusion)
+                           recursive, enable_fusion, compiled)
     summed = sum_first.rewrite(graph, site, meta) if enable_fusion and recursive else None
     if summed is not None:  # coalesced all_reduces only added up: one all_reduce of the sum
         new_graph, new_site, new_meta = summed
-        fused.append(Choice(sum_first.PREFIX + NATIVE, [("nodes", new_site.region)], new_graph,
-                            new_site))
+        fused.append(native_choice(new_graph, new_site, compiled, sum_first.PREFIX + NATIVE))
         fused += _fused_choices(new_graph, new_site, new_site, new_meta, ctx, [], sum_first.PREFIX,
-                                set(fusion_types), max_depth, recursive, enable_fusion)
+                                set(fusion_types), max_depth, recursive, enable_fusion, compiled)
     return [native_choice(graph, site, compiled)] + fused
 
 
 def _fused_choices(graph, root, site, meta, ctx, prefix, prefix_name, fusion_types, max_depth,
-                   recursive, enable_fusion) -> list[Choice]:
+                   recursive, enable_fusion, compiled) -> list[Choice]:
     # `root` is the whole site; `site` is what is left of it after peeling coalesced anchors.
     anchor_op = graph.nodes[site.anchors[0]].op_type
     longest_prologue = max((len(c) for c in site.prologue_of), default=0)
@@ -310,7 +330,7 @@ def _fused_choices(graph, root, site, meta, ctx, prefix, prefix_name, fusion_typ
                     steps.append(("nodes", unfused_prologue))
                 steps.append(("span", span))
                 if site.epilogue[e:]:
-                    steps.append(("nodes", site.epilogue[e:]))
+                    steps += _unfused_epilogue(graph, site.epilogue[e:], compiled)
                 name = f"{prefix_name}{algorithm.name}[p{p},e{e}]"
                 choices.append(Choice(name, steps, graph, root, span, algorithm))
     if len(site.anchors) > 1 and recursive:
@@ -320,5 +340,5 @@ def _fused_choices(graph, root, site, meta, ctx, prefix, prefix_name, fusion_typ
                     site.epilogue, site.prologue_of[1:])
         choices += _fused_choices(graph, root, rest, meta, ctx, prefix + [("nodes", head)],
                                   f"{prefix_name}split{site.anchors[0]}+", fusion_types,
-                                  max_depth, recursive, enable_fusion)
+                                  max_depth, recursive, enable_fusion, compiled)
     return choices

@@ -7,6 +7,10 @@ the collectives natively and the epilogue through `torch.compile(fullgraph=True)
 in the default mode, one compiled function per (epilogue, input dtypes and row length), cached
 for the process (Dynamo makes the token count dynamic after the first count it sees).
 
+A fused choice of a compiled site that covers only part of the epilogue runs the rest the same
+way (`InductorSteps`): timed against native's compiled epilogue, an eager rest would lose by the
+launches Inductor saves, and once committed it would run slower than the user's graph.
+
 Compiling happens on the first run with new shapes, which the engine makes at tune time (its
 trial run) or right after a cache hit, never inside a CUDA-graph capture: a run under capture
 with shapes not compiled yet uses eager torch instead. A compile that fails falls back to eager
@@ -105,49 +109,55 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class InductorNativeChoice(Choice):
-    """`native` for a compiled site: collectives through torch.distributed, epilogue by Inductor."""
+def leading_compilable(graph, indices) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`indices` split where its first collective is: the nodes before it Inductor may compile
+    (fullgraph, no process group), the rest (a sequence-parallel span's all_gather and what
+    follows it) run through torch.distributed."""
+    for k, index in enumerate(indices):
+        if op_registry.get_op(graph.nodes[index].op_type).kind == "collective":
+            return tuple(indices[:k]), tuple(indices[k:])
+    return tuple(indices), ()
 
-    def __init__(self, graph, site):
-        # A sequence-parallel span ends in its all_gather, which runs after Inductor's part.
-        self.gather = tuple(i for i in site.epilogue
-                            if op_registry.get_op(graph.nodes[i].op_type).kind == "collective")
-        self.epilogue = tuple(i for i in site.epilogue if i not in self.gather)
-        eager = tuple(i for i in site.region if i not in site.epilogue)
-        super().__init__(NATIVE, [("nodes", eager)], graph, site)
-        self.epilogue_inputs = external_inputs(graph, self.epilogue)
-        self.epilogue_outputs = live_outputs(graph, self.epilogue)
+
+class InductorSteps:
+    """Nodes of a compiled site run as Inductor compiles them, as the user's compiled graph
+    would have run them: a compiled site's native epilogue, and the unfused rest of a fused
+    choice that covers only part of the epilogue (timed against native's compiled epilogue, it
+    must run compiled too, or the comparison handicaps it)."""
+
+    def __init__(self, graph, indices):
+        self.graph = graph
+        self.indices = tuple(indices)
+        self.inputs = external_inputs(graph, self.indices)
+        self.outputs = live_outputs(graph, self.indices)
         self._compiled = None
         self._key = None
         self._ready: set[tuple] = set()  # input shapes the compiled code has run with
 
-    def precompile(self, meta, ctx) -> None:
-        super().precompile(meta, ctx)
-        if self.epilogue:
-            # Keyed without the leading (token) dims: one compiled function serves every count,
-            # and Dynamo's automatic dynamic shapes recompile it once at most.
-            self._key = epilogue_key([self.graph.nodes[i] for i in self.epilogue],
-                                     self.epilogue_inputs, self.epilogue_outputs,
-                                     [(len(m.shape), m.shape[-1:], m.dtype, m.device)
-                                      for m in (meta[n] for n in self.epilogue_inputs)])
-            self._compiled = compiled_epilogue(self._key)
+    def prepare(self, meta) -> None:
+        # Keyed without the leading (token) dims: one compiled function serves every count,
+        # and Dynamo's automatic dynamic shapes recompile it once at most.
+        self._key = epilogue_key([self.graph.nodes[i] for i in self.indices], self.inputs,
+                                 self.outputs,
+                                 [(len(m.shape), m.shape[-1:], m.dtype, m.device)
+                                  for m in (meta[n] for n in self.inputs)])
+        self._compiled = compiled_epilogue(self._key)
 
     @property
     def uses_inductor(self) -> bool:
-        """Whether the epilogue runs Inductor's code (False before precompile or after a failed
+        """Whether the nodes run Inductor's code (False before `prepare` or after a failed
         compile)."""
         return self._compiled is not None
 
-    def run(self, inputs: dict) -> dict:
-        env = dict(inputs)
-        run_nodes(self.graph, self.steps[0][1], env, self._ctx, native=True)
-        if self.epilogue:
-            values = [env[n] for n in self.epilogue_inputs]
-            env.update(zip(self.epilogue_outputs, self._epilogue(values)))
-        run_nodes(self.graph, self.gather, env, self._ctx, native=True)
-        return {name: env[name] for name in self.outputs}
+    def run(self, env: dict, ctx, owner: str) -> None:
+        """Run the nodes on `env` in place; `owner` names the choice in a fallback's warning."""
+        result = self._call([env[n] for n in self.inputs], owner)
+        if result is None:
+            run_nodes(self.graph, self.indices, env, ctx, native=True)
+        else:
+            env.update(zip(self.outputs, result))
 
-    def _epilogue(self, values) -> tuple:
+    def _call(self, values, owner: str) -> tuple | None:
         # A site may read a graph input itself (the residual); where the user marked it with
         # torch._dynamo.mark_dynamic, the mark would fail this compile (the epilogue ties the
         # marked dim to an unmarked one: ConstraintViolationError). A detached alias has none.
@@ -158,18 +168,47 @@ class InductorNativeChoice(Choice):
         if self._compiled is not None and shapes in self._ready:
             with torch.no_grad(), _automatic_dynamic():
                 return self._compiled(*values)
-        if self._compiled is not None and not _capturing():
-            try:
-                with torch.no_grad(), _automatic_dynamic():
-                    result = self._compiled(*values)  # compiles on the first call
-                self._ready.add(shapes)
-                return result
-            except Exception as error:  # noqa: BLE001 - native must run: eager torch instead
-                log.warning("infini_dist: Inductor could not compile the native epilogue of "
-                            "%s (%s: %s); running it in eager torch", self.name,
-                            type(error).__name__, error)
-                self._compiled = None
-                _failed(self._key)
-        env = dict(zip(self.epilogue_inputs, values))
-        run_nodes(self.graph, self.epilogue, env, self._ctx, native=True)
-        return tuple(env[n] for n in self.epilogue_outputs)
+        if self._compiled is None or _capturing():
+            return None  # eager torch: never compile under a CUDA-graph capture
+        try:
+            with torch.no_grad(), _automatic_dynamic():
+                result = self._compiled(*values)  # compiles on the first call
+        except Exception as error:  # noqa: BLE001 - these nodes must run: eager torch instead
+            log.warning("infini_dist: Inductor could not compile the nodes %s of %s (%s: %s); "
+                        "running them in eager torch", list(self.indices), owner,
+                        type(error).__name__, error)
+            self._compiled = None
+            _failed(self._key)
+            return None
+        self._ready.add(shapes)
+        return result
+
+
+class InductorNativeChoice(Choice):
+    """`native` for a compiled site: collectives through torch.distributed, epilogue by Inductor."""
+
+    def __init__(self, graph, site, name: str = NATIVE):
+        eager = tuple(i for i in site.region if i not in site.epilogue)
+        super().__init__(name, [("nodes", eager)], graph, site)
+        # A sequence-parallel span ends in its all_gather, which runs after Inductor's part.
+        compiled, self.after = leading_compilable(graph, site.epilogue)
+        self.epilogue = InductorSteps(graph, compiled) if compiled else None
+
+    def precompile(self, meta, ctx) -> None:
+        super().precompile(meta, ctx)
+        if self.epilogue is not None:
+            self.epilogue.prepare(meta)
+
+    @property
+    def uses_inductor(self) -> bool:
+        """Whether the epilogue runs Inductor's code (False before precompile or after a failed
+        compile)."""
+        return self.epilogue is not None and self.epilogue.uses_inductor
+
+    def run(self, inputs: dict) -> dict:
+        env = dict(inputs)
+        run_nodes(self.graph, self.steps[0][1], env, self._ctx, native=True)
+        if self.epilogue is not None:
+            self.epilogue.run(env, self._ctx, self.name)
+        run_nodes(self.graph, self.after, env, self._ctx, native=True)
+        return {name: env[name] for name in self.outputs}

@@ -182,6 +182,52 @@ def compiled_native_rank(rank, world_size):
             "err": float((out - eager_out).abs().max()), "err_h": float((h - eager_h).abs().max())}
 
 
+def partial_epilogue_rank(rank, world_size):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import infini_dist
+    import infini_dist.compile as idc
+    from infini_dist.scheduler.store import STORE
+    from infini_dist.scheduler.native_inductor import InductorSteps
+
+    group_name = dist.group.WORLD.group_name
+
+    def block(x, residual, weight):
+        h = funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name)) + residual
+        return torch.relu(F.rms_norm(h, (32,), weight, EPS)) * 2.0, h
+
+    x, residual, weight = (t.float() for t in _rank_inputs(rank))
+    # The fused span takes the all_reduce and the add; the rms_norm is the unfused rest.
+    STORE.timing_hook = lambda medians: {n: 1.0 if n == "torch_fused[p0,e1]" else 1e3
+                                         for n in medians}
+    try:
+        with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
+            compiled = torch.compile(block, options=idc.inductor_options())
+            out, h = compiled(x, residual, weight)
+            again, _ = compiled(x, residual, weight)
+    finally:
+        STORE.timing_hook = None
+    runners = [r for _, _, e in STORE.site_executors() for r in e.site_runners()]
+    committed = [c for r in runners for c in r._committed.values()]
+    rests = [[type(p).__name__, p.uses_inductor] for c in committed for k, p in c.steps
+             if k == "inductor" and isinstance(p, InductorSteps)]
+    eager_out, eager_h = block(x, residual, weight)
+    return {"choices": [c.name for c in committed], "rests": rests, "out": out, "again": again,
+            "err": float((out - eager_out).abs().max()), "err_h": float((h - eager_h).abs().max())}
+
+
+def test_compiled_site_runs_a_partial_epilogue_choices_rest_as_inductor_compiles_it():
+    env = {"INFINI_DIST_BENCHMARK_REPS": "2", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    r0, r1 = run_ranks(partial_epilogue_rank, 2, env=env, timeout=300)
+    for r in (r0, r1):
+        assert r["choices"] == ["torch_fused[p0,e1]"]
+        assert r["rests"] == [["InductorSteps", True]]
+        assert r["err"] < 1e-5 and r["err_h"] < 1e-5
+        assert torch.equal(r["out"], r["again"])
+    assert torch.equal(r0["out"], r1["out"])
+
+
 def test_compiled_site_native_is_inductors_epilogue():
     env = {"INFINI_DIST_BENCHMARK_REPS": "2", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     r0, r1 = run_ranks(compiled_native_rank, 2, env=env, timeout=300)
@@ -248,6 +294,32 @@ def test_compiled_native_never_compiles_under_cuda_graph_capture(monkeypatch):
 
     def must_not_run(*values):
         raise AssertionError("compiled under capture")
-    monkeypatch.setattr(choice, "_compiled", must_not_run)
+    monkeypatch.setattr(choice.epilogue, "_compiled", must_not_run)
     monkeypatch.setattr(native_inductor, "_capturing", lambda: True)
     assert torch.equal(choice.run(inputs)["e"], expected)  # eager torch instead
+
+
+def test_partial_epilogue_choices_run_their_rest_compiled_only_in_a_compiled_site():
+    from infini_dist.scheduler.choices import RunContext, TensorMeta, generate_choices, run_nodes
+    from infini_dist.scheduler.native_inductor import epilogues_compiled
+    graph, site, inputs = _custom_anchor_site("relu")
+    ctx = RunContext(None, 1, 0, torch.device("cpu"))
+    env = dict(inputs)
+    run_nodes(graph, site.region, env, ctx, native=True)
+    meta = {n: TensorMeta.of(v) for n, v in env.items()}
+    for compiled in (False, True):
+        choices = generate_choices(graph, site, meta, ctx, fusion_types=["epilogue"],
+                                   max_depth=2, recursive=True, compiled=compiled)
+        rests = {}
+        for choice in choices[1:]:
+            before = epilogues_compiled()
+            choice.precompile(meta, ctx)
+            out = choice.run(inputs)["e"]
+            torch.testing.assert_close(out, env["e"])
+            rests[choice.name] = ([len(p.indices) for k, p in choice.steps if k == "inductor"],
+                                  epilogues_compiled() - before)
+        if compiled:  # e0: relu and scale compiled, e1: scale, e2: nothing left
+            assert rests == {"impl:mm[p0,e0]": ([2], 1), "impl:mm[p0,e1]": ([1], 1),
+                             "impl:mm[p0,e2]": ([], 0)}
+        else:
+            assert all(r == ([], 0) for r in rests.values()) and len(rests) == 3
