@@ -220,12 +220,15 @@ class SiteRunner:
         choice.precompile({}, ctx)
         return choice
 
-    def _key(self, values, ctx) -> str:
+    def _key(self, values, ctx, names: list[str]) -> str:
+        # The choice list is part of the key: a decision made where a backend was missing (no
+        # ninetoothed on that run) or a choice is new must not stand in for a tuning among the
+        # choices this process has.
         tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
         return self.sub.cache_key([t.dtype for t in tensors], [t.shape for t in tensors],
                                   group_size=ctx.world_size, device=report.device_name(ctx.device),
                                   settings=self.settings.decision_fields(),
-                                  native=self.native_path, **versions())
+                                  native=self.native_path, choices=names, **versions())
 
     def _about(self, values, ctx) -> dict:
         tokens = self._tokens(values)
@@ -236,7 +239,12 @@ class SiteRunner:
         if baseline_only:
             log.debug("infini_dist: int or empty input for %s: native", self.sub)
             return self._native(ctx)
-        key = self._key(values, ctx)
+        choices, meta, reference = lockstep.agreed(s, plane, "reference run",
+                                                   lambda: self.candidates(values, ctx))
+        names = [c.name for c in choices]
+        if plane is not None:
+            plane.agree(names, "choice list", "the set of choices")
+        key = self._key(values, ctx, names)
         record = STORE.records.get_memory(key)
         rank0 = plane is None or plane.rank == 0
         if record is None and rank0 and s.enable_disk_cache:
@@ -249,12 +257,6 @@ class SiteRunner:
             raise TuningError(f"infini_dist: no decision for {self._about(values, ctx)} and "
                               f"config.tune_at_request_time is False; warm this shape up first "
                               f"(infini_dist.warmup or `infini-dist tune`)")
-
-        choices, meta, reference = lockstep.agreed(s, plane, "reference run",
-                                                   lambda: self.candidates(values, ctx))
-        names = [c.name for c in choices]
-        if plane is not None:
-            plane.agree(names, "choice list", "the set of choices")
         if record is not None:
             chosen = [c for c in choices if c.name == record["choice"]]
             if chosen and not lockstep.drop_failed(self.settings, chosen, meta, ctx, plane,

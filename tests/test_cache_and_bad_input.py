@@ -35,6 +35,20 @@ def test_second_run_hits_the_disk_cache(tmp_path):
     assert not any(r["tuned"] for r in second)
 
 
+def tune_without_the_cpu_backend(rank, world_size):
+    from infini_dist.scheduler.choices import unregister_algorithm
+    unregister_algorithm("all_reduce", "cpu", "torch_fused")  # as if its package were missing
+    return tune_once(rank, world_size)
+
+
+def test_a_decision_made_while_a_backend_was_missing_is_not_reused_once_it_is_there(tmp_path):
+    first = run_ranks(tune_without_the_cpu_backend, 2, cache_dir=str(tmp_path))
+    assert [r["misses"] for r in first] == [1, 1]
+    second = run_ranks(tune_once, 2, cache_dir=str(tmp_path))
+    assert [r["misses"] for r in second] == [1, 1] and all(r["tuned"] for r in second)
+    assert len(second[0]["files"]) == 2  # each choice list keeps its own decision
+
+
 def test_only_rank_zero_needs_the_cache_file(tmp_path):
     run_ranks(tune_once, 2, cache_dir=str(tmp_path))
     # hit/miss is rank 0's answer, broadcast: rank 1 agrees even though it sees no file
