@@ -40,7 +40,8 @@ def test_train_bench_runs_small_on_cpu(tmp_path):
         # the pass's variants compiled until their sites decided, before the first step
         assert row["compiles_while_timed"] == 0, row
     # compile_model compiled again where a decision changed what the pass writes: at most a
-    # whole site -> its all_reduce alone -> Inductor's code (later variants reuse decisions)
+    # whole site decided bare -> its all_reduce alone, decided native -> Inductor's code
+    # (later variants reuse decisions)
     assert {r["variant"]: r["recompiles"] for r in rows.values()
             if r["recompiles"] is not None and not 0 <= r["recompiles"] <= 2} == {}, rows
     assert rows["inductor"]["sites"] == 0 and rows["inductor_overlap"]["native_sites"] == 0

@@ -9,10 +9,13 @@ where Inductor would fuse them. Decisions are made at run time, so the pass cann
 when it first compiles a graph; when a graph compiles again in the same process (after a warm-up
 step: torch._dynamo.reset() and compile again), the pass
 
-  - leaves a site decided native as Inductor's own code,
-  - replaces only the collective of a site decided native or bare, if the site has chains: that
-    bare site decides at run time (our all-reduce or NCCL) and its chains are Inductor's. Decided
-    native too, it is left to Inductor at the next compile,
+  - leaves a site decided native as Inductor's own code. Its tuning timed our collectives alone
+    too, each with the rest of the site compiled by Inductor as native's is
+    (scheduler/native_inductor.py), and they lost: the collective alone, as a site of its own,
+    would only decide native again, one compile later,
+  - replaces only the collective of a site decided bare (our collective, nothing fused), if the
+    site has chains: that bare site decides at run time (our all-reduce or NCCL) and its chains
+    are Inductor's. Decided native, it is left to Inductor at the next compile,
   - but writes a site of a row-split chain that committed the split (scheduler/split_chain.py)
     as a site again, whatever it decided alone, so that the chain forms again.
 
@@ -60,13 +63,15 @@ def known_choice(text: str, inputs: list, settings: Settings) -> Decision | None
 def written(forms: list, settings: Settings) -> tuple[int, bool]:
     """Which form of a site the pass writes, and whether that one is decided native (left to
     Inductor). `forms`: (text, inputs) of the whole site, then, if it has more than its anchor,
-    of its collective alone. The whole site is written unless it was decided to fuse nothing
-    (native, or a collective of ours with every other op of the site run in eager torch); then
-    its collective alone, whose own decision counts."""
+    of its collective alone. The whole site is written unless it was decided native (left to
+    Inductor whole) or bare (a collective of ours, nothing fused); then its collective alone,
+    whose own decision counts."""
     if _split_owned(*forms[0]):
         return 0, False
     choice = known_choice(*forms[0], settings)
     index = 0
+    if choice is not None and choice.name == NATIVE:
+        return index, True
     if choice is not None and choice.fuses_nothing and len(forms) > 1:
         index = 1
         choice = known_choice(*forms[1], settings)

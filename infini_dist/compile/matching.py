@@ -310,8 +310,9 @@ def trim(g: GraphIndex, site: FxSite) -> FxSite:
 
 
 def bare_site(anchor: FxOp) -> FxSite:
-    """The anchor alone: the site a decision that fuses nothing leaves (compile/decided.py). It
-    always fits: its one compute node is the anchor, and its outputs are read after it."""
+    """The anchor alone: the site a bare decision (our collective, nothing fused) leaves
+    (compile/decided.py). It always fits: its one compute node is the anchor, and its outputs
+    are read after it."""
     return FxSite([anchor], [[]])
 
 

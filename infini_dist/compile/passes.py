@@ -7,8 +7,8 @@ For each anchor (compile/anchors.py), in one direction:
      compile/scatter_gather_match.py; a registered user op's site is compile/matching.py's shared
      walk alone). Each module shows its pattern and replacement side by side.
   2. decide: a graph compiled after its sites decided in this process follows the decisions
-     (compile/decided.py): a site decided native is left as it is, one decided native or fusing
-     nothing becomes its collective alone.
+     (compile/decided.py): a site decided native is left as it is, one decided bare (our
+     collective, nothing else fused) becomes its collective alone.
   3. replace: the site becomes one `fused_site` call reading the site's inputs, named by its
      SubGraph text, unless its kind has nothing of its own for the anchor alone.
 

@@ -6,7 +6,8 @@ host time per site and call than Inductor's own code (docs/benchmarks.md has the
 an op boundary Inductor cannot fuse across. Compiled again, the pass
 leaves such a site to Inductor (compile/decided.py). So what compile_model returns drops its
 compiled code at its first call after a compiled site of this process commits a choice that
-fuses nothing, and Dynamo compiles it anew; at most MAX_RECOMPILES times, since a server meets
+changes what the pass writes (native, or our collective with nothing fused: STORE.digest), and
+Dynamo compiles it anew; at most MAX_RECOMPILES times, since a server meets
 new token buckets for a long while (infini_dist.warmup decides them all first). Decisions of
 sites compiled with a symbolic token count change nothing the pass writes (they have no
 bucket), so they never cause a compile.
