@@ -140,6 +140,13 @@ def test_eager_sites_commit_native_unless_a_fused_choice_beats_it_by_the_thresho
 
 # ---- a compiled site: native is Inductor's code ---------------------------------------------------
 
+def _committed_choices() -> list:
+    """The choices every compiled site of this process committed, per signature."""
+    from infini_dist.scheduler.store import STORE
+    runners = [r for _, _, e in STORE.site_executors() for r in e.site_runners()]
+    return [c for r in runners for c in r._committed.values()]
+
+
 def compiled_native_rank(rank, world_size):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -170,9 +177,7 @@ def compiled_native_rank(rank, world_size):
         STORE.timing_hook = None
     (record,) = [d for d in idc.decisions() if d["op"] == "all_reduce+add+rms_norm"
                  or "rms_norm" in d["op"]]
-    from infini_dist.scheduler.store import STORE
-    runners = [r for _, _, e in STORE.site_executors() for r in e.site_runners()]
-    committed = [c for r in runners for c in r._committed.values()]
+    committed = _committed_choices()
     eager_out, eager_h = block(x, residual, weight)
     return {"record": record, "out": out, "again": again,
             "committed_inductor": [isinstance(c, InductorNativeChoice) and c.uses_inductor
@@ -208,8 +213,7 @@ def partial_epilogue_rank(rank, world_size):
             again, _ = compiled(x, residual, weight)
     finally:
         STORE.timing_hook = None
-    runners = [r for _, _, e in STORE.site_executors() for r in e.site_runners()]
-    committed = [c for r in runners for c in r._committed.values()]
+    committed = _committed_choices()
     rests = [[type(p).__name__, p.uses_inductor] for c in committed for k, p in c.steps
              if k == "inductor" and isinstance(p, InductorSteps)]
     eager_out, eager_h = block(x, residual, weight)
