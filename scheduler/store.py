@@ -25,6 +25,17 @@ class Decision(NamedTuple):
     name: str
     fuses_nothing: bool
 
+    @property
+    def native(self) -> bool:
+        from infini_dist.scheduler.choices import NATIVE  # choices' ops import the store
+        return self.name == NATIVE
+
+    def rewrites(self, beyond_collective: bool) -> bool:
+        """Whether the compile pass writes the site otherwise once it knows this decision
+        (compile/decided.py): native is left to Inductor, and a collective of ours with nothing
+        fused leaves the site's other ops (`beyond_collective`: it has some) to Inductor."""
+        return self.native or (self.fuses_nothing and beyond_collective)
+
 
 class DecisionStore:
     def __init__(self):
@@ -75,15 +86,12 @@ class DecisionStore:
 
     def digest(self, static_only: bool = False) -> str:
         """Digest of the compiled sites' decisions that change what the pass writes
-        (compile/decided.py): native, or fusing nothing where the site has more than its
-        collective; `static_only`: of sites compiled with static shapes alone. A collective
-        alone that decided ours is written the same again, so compiling again for it would
-        only cost the compile."""
-        from infini_dist.scheduler.choices import NATIVE  # choices' ops import the store
+        (`Decision.rewrites`); `static_only`: of sites compiled with static shapes alone. A
+        collective alone that decided ours is written the same again, so compiling again for
+        it would only cost the compile."""
         parts = []
         for ((graph, _, compiled, _, _), bucket), choice in list(self.decided.items()):
-            if compiled and (choice.name == NATIVE
-                             or (choice.fuses_nothing and len(graph.nodes) > 1)):
+            if compiled and choice.rewrites(len(graph.nodes) > 1):
                 text = graph.canonical()
                 if not static_only or text in self.static_texts:
                     parts.append((text, repr(bucket), choice.name))

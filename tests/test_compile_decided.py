@@ -116,3 +116,15 @@ def test_recompiled_sites_follow_their_decisions():
     for key in ("native", "bare"):
         for (a, *_), (b, *_) in zip(r0[key], r1[key]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_decision_rewrites_the_site_where_it_leaves_ops_to_inductor():
+    from infini_dist.scheduler.store import Decision
+
+    native, bare, fused = (Decision("native", True), Decision("two_shot[p0,e0]", True),
+                           Decision("two_shot[p0,e1]", False))
+    # The pass's choice of form (decided.written) and the recompiler's digest read this rule.
+    assert native.rewrites(True) and native.rewrites(False)
+    assert bare.rewrites(True) and not bare.rewrites(False)  # a lone collective stays ours
+    assert not fused.rewrites(True) and not fused.rewrites(False)
+    assert native.native and not bare.native

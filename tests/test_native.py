@@ -169,7 +169,6 @@ def compiled_native_rank(rank, world_size):
         with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
             compiled = torch.compile(block, options=idc.inductor_options())
             out, h = compiled(x, residual, weight)
-            after_first = epilogues_compiled()
             again, _ = compiled(x, residual, weight)
             after_again = epilogues_compiled()
             compiled(x, residual, weight)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from infini_dist.scheduler.choices import NATIVE
 from infini_dist.scheduler.op_registry import generation
 from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler.store import STORE, Decision
@@ -69,13 +68,12 @@ def written(forms: list, settings: Settings) -> tuple[int, bool]:
     if _split_owned(*forms[0]):
         return 0, False
     choice = known_choice(*forms[0], settings)
-    index = 0
-    if choice is not None and choice.name == NATIVE:
-        return index, True
-    if choice is not None and choice.fuses_nothing and len(forms) > 1:
-        index = 1
-        choice = known_choice(*forms[1], settings)
-    return index, choice is not None and choice.name == NATIVE
+    if choice is None or not choice.rewrites(len(forms) > 1):
+        return 0, False
+    if choice.native:
+        return 0, True
+    alone = known_choice(*forms[1], settings)
+    return 1, alone is not None and alone.native
 
 
 def _split_owned(text: str, inputs: list) -> bool:
