@@ -5,7 +5,10 @@ that norm, logits match eager TP, and ranks agree bitwise.
 Each family spells its norms and residuals its own way: Gemma2 scales by (1 + w) and norms before
 and after each block (post-norms), OLMo2 norms the block output before the residual add, GPT-NeoX
 runs attention and MLP in parallel off one LayerNorm'd input and sums both all_reduces with the
-residual, Phi3 is Llama-like with fused qkv / gate_up projections.
+residual, Phi3 is Llama-like with fused qkv / gate_up projections. The MoE families (Mixtral,
+Qwen2-MoE, DeepSeek-V3) all_reduce their experts' [tokens, H] sum and reshape it to [b, s, H]
+before the residual add (compile/reshape_first.py); Qwen2-MoE adds its replicated shared expert
+first, DeepSeek-V3 its sharded one (a second all_reduce, summed with the first).
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ FAMILIES = {
     "gpt_neox": ("GPTNeoXConfig", {}, 1, 0),
     # embedding AR -> RMSNorm; o_proj / down_proj AR -> add -> RMSNorm
     "phi3": ("Phi3Config", {}, 3, 0),
+    # embedding AR -> RMSNorm; o_proj AR -> add -> RMSNorm; experts AR -> reshape -> add -> norm
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, 3, 0),
+    # as Mixtral, the shared expert's output added before the reshape
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 64,
+                                     "shared_expert_intermediate_size": 64}, 3, 0),
+    # attention unsharded; the experts' and the shared experts' ARs -> add -> add -> norm
+    "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 64, "n_shared_experts": 1,
+                                         "first_k_dense_replace": 0, "kv_lora_rank": 16,
+                                         "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                                         "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
+                                         "topk_group": 1}, 2, 0),
 }
 
 

@@ -37,6 +37,7 @@ import infini_dist
 import infini_dist.kernels.epilogue
 from infini_dist.compile import all_reduce_match, anchors, chain_match, decided, matching
 from infini_dist.compile import scatter_gather_match
+from infini_dist.compile.reshape_first import reshape_first
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, algorithms_for
 from infini_dist.scheduler.ir import OpNode, SubGraph, subgraph_from_text
@@ -160,6 +161,7 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
                                                 and not settings.backward_sites):
         return GraphRecord(kind, collectives, ())
     custom = anchors.anchor_names()
+    reshape_first(graph)
     # what the sites are matched under: matmul_prologue "auto" made True or False for this graph
     matching_settings = replace(settings, matmul_prologue=_matmul_prologue(graph, settings))
     replaced: list[str] = []

@@ -1,0 +1,108 @@
+"""compile/reshape_first.py: a reshape between an all_reduce and its epilogue moves ahead of the
+all_reduce, so the epilogue joins the site (the MoE blocks' spelling). The HF MoE families in
+test_hf_families.py check the numerics on two ranks; here, which graphs move and which do not."""
+
+from __future__ import annotations
+
+import torch
+
+from infini_dist.compile.reshape_first import reshape_first
+from fx_graphs import FUSED, ar, c10d, export, fuse, llama_norm, ops_of, rand
+
+VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+         torch.ops.aten._unsafe_view.default}
+
+
+def _moe(x, shared, residual, w):
+    # experts' [tokens, H] partial sums reduced, a replicated expert added, [b, s, H] restored
+    h = (ar(x) + shared).view(2, 2, 16)
+    out = h + residual
+    return llama_norm(out, w), out
+
+
+def _moe_args():
+    return rand(4, 16), rand(4, 16, seed=1), rand(2, 2, 16, seed=2), rand(16, seed=3)
+
+
+def _all_reduce_input(gm):
+    (node,) = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    return node.args[0]
+
+
+def test_the_reshape_moves_ahead_of_the_all_reduce_and_the_ops_between():
+    gm = export(_moe, *_moe_args())
+    assert reshape_first(gm.graph) == 1
+    gm.graph.lint()
+    reshaped = _all_reduce_input(gm)
+    assert reshaped.target is torch.ops.aten.reshape.default
+    assert tuple(reshaped.meta["val"].shape) == (2, 2, 16)
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    assert [tuple(a.meta["val"].shape) for a in add.args] == [(2, 2, 16)] * 2
+    assert tuple(add.meta["val"].shape) == (2, 2, 16)
+    # no view is left between the all_reduce's wait and the residual add
+    wait = next(n for n in gm.graph.nodes if n.target is c10d.wait_tensor.default)
+    assert tuple(wait.meta["val"].shape) == (2, 2, 16)
+    assert [u.target for u in wait.users] == [torch.ops.aten.add.Tensor]
+
+
+def test_the_moe_block_becomes_one_site_with_its_residual_norm():
+    gm = export(_moe, *_moe_args())
+    (sub,) = fuse(gm)
+    assert ops_of(sub) == ["all_reduce", "add", "add_rms_norm"]
+    (site,) = [n for n in gm.graph.nodes if n.target is FUSED]
+    assert [tuple(a.meta["val"].shape) for a in site.args[0]][:2] == [(2, 2, 16)] * 2
+
+
+def _unmoved(f, *args):
+    gm = export(f, *args)
+    before = [n.target for n in gm.graph.nodes]
+    assert reshape_first(gm.graph) == 0
+    assert [n.target for n in gm.graph.nodes] == before
+
+
+def test_a_reshape_that_changes_the_row_length_stays():
+    _unmoved(lambda x: ar(x).view(4, 4, 4) * 2.0, rand(4, 16))
+
+
+def test_an_all_reduce_read_beside_the_reshape_stays():
+    def f(x):
+        h = ar(x)
+        return h.view(2, 2, 16) * 2.0, h
+    _unmoved(f, rand(4, 16))
+
+
+def test_a_broadcast_operand_on_the_way_stays():
+    # a per-token gate [tokens, 1] would need its own reshape rule: not moved
+    _unmoved(lambda x, g: (ar(x) * g).view(2, 2, 16), rand(4, 16), rand(4, 1, seed=1))
+
+
+def test_an_op_that_is_not_pointwise_on_the_way_stays():
+    _unmoved(lambda x: torch.cumsum(ar(x), 0).view(2, 2, 16), rand(4, 16))
+
+
+def test_the_moved_graph_computes_what_the_graph_did():
+    # The all_reduce over one rank is the identity: a one-rank gloo group runs the graph.
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        name = dist.group.WORLD.group_name
+
+        def f(x, shared, residual, w):
+            h = (c10d.wait_tensor(c10d.all_reduce(x, "sum", name)) + shared).view(2, 2, 16)
+            out = h + residual
+            return llama_norm(out, w), out
+        args = _moe_args()
+        gm = export(f, *args)
+        assert reshape_first(gm.graph) == 1
+        gm.recompile()
+        for got, want in zip(gm(*args), f(*args)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_strided_operand_stays():
+    # reshaped, a transposed input would be copied: one more pass over memory than the view
+    _unmoved(lambda x: ar(x.t()).view(2, 2, 16), rand(16, 4))
+    _unmoved(lambda x, s: (ar(x) + s.t()).view(2, 2, 16), rand(4, 16), rand(16, 4, seed=1))
