@@ -5,7 +5,8 @@ that norm, logits match eager TP, and ranks agree bitwise.
 Each family spells its norms and residuals its own way: Gemma2 scales by (1 + w) and norms before
 and after each block (post-norms), OLMo2 norms the block output before the residual add, GPT-NeoX
 runs attention and MLP in parallel off one LayerNorm'd input and sums both all_reduces with the
-residual, Phi3 is Llama-like with fused qkv / gate_up projections. The MoE families (Mixtral,
+residual, Phi3 is Llama-like with fused qkv / gate_up projections, Cohere is parallel like GPT-NeoX
+with a LayerNorm of its own spelling and no bias. The MoE families (Mixtral,
 Qwen2-MoE, DeepSeek-V3) all_reduce their experts' [tokens, H] sum and reshape it to [b, s, H]
 before the residual add (compile/reshape_first.py); Qwen2-MoE adds its replicated shared expert
 first, DeepSeek-V3 its sharded one (a second all_reduce, summed with the first).
@@ -26,7 +27,7 @@ VOCAB = 128
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
              pad_token_id=0, bos_token_id=1, eos_token_id=2)
-NORMS = {"rms_norm", "add_rms_norm", "gemma_rms_norm", "layer_norm", "add_layer_norm"}
+NORMS = {"rms_norm", "add_rms_norm", "gemma_rms_norm", "layer_norm", "layer_norm_no_bias"}
 
 # family -> (config class, extra config, sites expected to carry a norm, norm-free sites allowed)
 FAMILIES = {
@@ -38,6 +39,8 @@ FAMILIES = {
     "gpt_neox": ("GPTNeoXConfig", {}, 1, 0),
     # embedding AR -> RMSNorm; o_proj / down_proj AR -> add -> RMSNorm
     "phi3": ("Phi3Config", {}, 3, 0),
+    # parallel residual as GPT-NeoX, a LayerNorm without bias in Cohere's own spelling
+    "cohere": ("CohereConfig", {}, 2, 0),
     # embedding AR -> RMSNorm; o_proj AR -> add -> RMSNorm; experts AR -> reshape -> add -> norm
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, 3, 0),
     # as Mixtral, the shared expert's output added before the reshape
