@@ -75,6 +75,7 @@ NORM_REFERENCES = {
     "rms_norm": lambda y, w, b, eps: _rms(y, eps) * w,
     "gemma_rms_norm": lambda y, w, b, eps: _rms(y, eps) * (1 + w),
     "layer_norm": lambda y, w, b, eps: F.layer_norm(y, y.shape[-1:], w, b, eps),
+    "layer_norm_no_bias": lambda y, w, b, eps: F.layer_norm(y, y.shape[-1:], w, None, eps),
 }
 
 
