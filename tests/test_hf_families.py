@@ -132,3 +132,44 @@ def test_hf_family_fuses_every_all_reduce_with_its_norm(tmp_path, family):
         assert float((r["compiled"] - r["eager"]).abs().max()) <= 1e-4 * (1 + scale)
     assert torch.equal(results[0]["compiled"], results[1]["compiled"])
     assert results[0]["sites"] == results[1]["sites"]
+
+
+def training_rank(rank, world, path):
+    from transformers import AutoModelForCausalLM
+
+    import infini_dist.compile as idc
+    from infini_dist.launch.bench_hf import check_sharded, tp_load_kwargs
+    from infini_dist.scheduler.store import STORE
+    STORE.timing_hook = _deepest_fused
+    _one_compile_thread()
+    os.environ["WORLD_SIZE"] = str(world)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    grads = []
+    with idc.recording() as graphs:
+        for compiled in (False, True):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                         **tp_load_kwargs()).train()
+            check_sharded(model)
+            logits = (idc.compile_model(model) if compiled else model)(input_ids=ids).logits
+            local = logits.to_local() if hasattr(logits, "to_local") else logits
+            local.pow(2).mean().backward()
+            grads.append({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+                          for n, p in model.named_parameters() if p.grad is not None})
+    return {"eager": grads[0], "compiled": grads[1],
+            "sites": {g.kind: ["+".join(s) for s in g.site_ops()] for g in graphs}}
+
+
+def test_moe_family_trains_with_its_block_fused(tmp_path):
+    """Mixtral's experts' all_reduce, reshaped before the residual add, through forward and
+    backward: the forward site takes the add, the norm and its saved rsqrt; gradients match."""
+    pytest.importorskip("transformers")
+    path = save_family("mixtral", tmp_path / "mixtral")
+    results = run_ranks(training_rank, 2, path, env=_env(), timeout=400)
+    for r in results:
+        assert r["sites"]["forward"].count("all_reduce+add_rms_norm+rms_rstd") == 2, r["sites"]
+        assert r["sites"]["backward"], r["sites"]
+        assert set(r["eager"]) == set(r["compiled"]) and len(r["eager"]) > 10
+        for name, want in r["eager"].items():
+            got = r["compiled"][name]
+            assert float(want.abs().max()) > 0, name  # a zero gradient would compare equal
+            assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()), name
