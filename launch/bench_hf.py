@@ -79,7 +79,9 @@ from infini_dist.launch.step_timing import (profile_step, time_device, time_inte
                                             timing_lines)
 from infini_dist.launch.tp_decoder import Shape
 
-FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
+            "mixtral": "MixtralConfig"}
+DEFAULT_FAMILIES = ("llama", "qwen2", "mistral")  # dense; --hf mixtral asks for the MoE one
 TARGET = Target(max_batch=32, floor_ratio=1.03)
 
 
@@ -89,8 +91,11 @@ def make_config(family: str, args):
     import transformers
     config_class = getattr(transformers, FAMILIES[family])
     # Full attention everywhere: Mistral's default sliding window would make the decode step
-    # read a different span than prefill at long contexts.
-    extra = {"sliding_window": None} if family == "mistral" else {}
+    # read a different span than prefill at long contexts. Mixtral: 8x7B's routing, each
+    # expert --mlp wide (its MoE block all_reduces [tokens, H], then reshapes: one site).
+    extra = {"sliding_window": None} if family in ("mistral", "mixtral") else {}
+    if family == "mixtral":
+        extra.update(num_local_experts=8, num_experts_per_tok=2)
     return config_class(hidden_size=args.hidden, intermediate_size=args.mlp,
                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                         num_hidden_layers=args.layers, vocab_size=args.vocab,
@@ -287,7 +292,7 @@ def bench_family(bench: Bench, family: str, args, device, dtype, control) -> lis
 # ---- main -----------------------------------------------------------------------------------------
 
 def add_arguments(parser):
-    parser.add_argument("--hf", type=names(tuple(FAMILIES)), default=",".join(FAMILIES),
+    parser.add_argument("--hf", type=names(tuple(FAMILIES)), default=",".join(DEFAULT_FAMILIES),
                         dest="families", metavar="FAMILY[,FAMILY]",
                         help=f"comma-separated families among {','.join(FAMILIES)}")
     add_model_sizes(parser, layers=4, vocab=32000)

@@ -97,8 +97,10 @@ def test_cpu_smoke_llama_tp(tmp_path):
 
 
 def test_configs_of_every_family():
-    args = bench_hf.parse_args(TINY + ["--hf", "llama,qwen2,mistral"])
-    assert args.families == ["llama", "qwen2", "mistral"] and args.mode == "reduce-overhead"
+    assert bench_hf.parse_args(TINY).families == ["llama", "qwen2", "mistral"]  # dense ones
+    args = bench_hf.parse_args(TINY + ["--hf", "llama,qwen2,mistral,mixtral"])
+    assert args.families == ["llama", "qwen2", "mistral", "mixtral"]
+    assert args.mode == "reduce-overhead"
     assert [s.name for s in args.shapes] == ["decode b2", "prefill 16"]
     for family in args.families:
         cfg = bench_hf.make_config(family, args)
@@ -109,6 +111,8 @@ def test_configs_of_every_family():
         assert cfg.max_position_embeddings >= 16 and not cfg.tie_word_embeddings
         assert getattr(cfg, "sliding_window", None) is None or family == "qwen2" \
             and not cfg.use_sliding_window
+    mixtral = bench_hf.make_config("mixtral", args)
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (8, 2)
 
 
 def test_tp_plan_argument_follows_transformers(monkeypatch):
@@ -181,7 +185,7 @@ def test_floor_target_and_checks():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--hf", "gpt2"], "--hf: choose among llama,qwen2,mistral"),
+    (["--hf", "gpt2"], "--hf: choose among llama,qwen2,mistral,mixtral"),
     (["--variants", "nope"], "--variants: choose among"),
     (["--batches", "", "--prefill", ""], "no shape"),
     (["--heads", "6", "--kv-heads", "4"], "must be a multiple of --kv-heads 4"),
