@@ -54,7 +54,8 @@ def _path(wait: fx.Node) -> tuple[list, fx.Node] | None:
     shape, ops, value = _shape(wait), [], wait
     while len(value.users) == 1:
         user = next(iter(value.users))
-        if user.op == "call_function" and user.target in _VIEWS and is_tensor(user):
+        if (user.op == "call_function" and user.target in _VIEWS and is_tensor(user)
+                and len(user.args) == 2 and not user.kwargs):
             viewed = _shape(user)
             keeps_rows = len(shape) > 0 and len(viewed) > 0 and _same(viewed[-1:], shape[-1:])
             return (ops, user) if keeps_rows and user.args[0] is value else None
