@@ -5,8 +5,9 @@ plain against the infini_dist pass, both against the collective-free step, and e
     infini-dist bench --hf llama --nproc 2 --cpu-smoke --layers 2 --hidden 64 --mlp 128 \\
         --heads 4 --kv-heads 2 --vocab 256 --context 8 --batches 2 --prefill 16   (gloo, fp32)
 
-Per family (llama, qwen2, mistral): a config of --layers layers (hidden 4096, MLP 14336, 32 / 8
-heads, vocab 32000 by default) with random weights, built and saved with save_pretrained by rank
+Per family (llama, qwen2, mistral by default; mixtral: 8 experts, top 2, each --mlp wide): a
+config of --layers layers (hidden 4096, MLP 14336, 32 / 8 heads, vocab 32000 by default) with
+random weights, built and saved with save_pretrained by rank
 0 into a temp dir under --out, then loaded on every rank with `tp_plan="auto"` (transformers'
 DTensor TP: `distributed_config=DistributedConfig(tp_plan="auto")` where transformers has it,
 the `tp_plan=` argument before). Nothing is downloaded.

@@ -37,7 +37,7 @@ BAD = [  # (argv, what the one message says)
     (["tune", "--hidden", "-5"], "argument --hidden: must be a positive integer, got '-5'"),
     (["tune", "--layers", "0"], "argument --layers: must be a positive integer"),
     (["tune", "--eps", "nan"], "argument --eps: must be a positive number"),
-    (["tune", "--hf", "gpt2"], "argument --hf: neither a family (llama, qwen2, mistral)"),
+    (["tune", "--hf", "gpt2"], "argument --hf: neither a family (llama, qwen2, mistral, mixtral)"),
     (["tune", "--hf", "llama", "--model", "ops"], "--hf takes the place of --model"),
     (["tune", "--heads", "6", "--kv-heads", "4"], "--heads 6 is not a multiple of --kv-heads 4"),
     (["tune", "--nproc", "3"], "--kv-heads 8 is not divisible by the tensor-parallel size 3"),
