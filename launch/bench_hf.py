@@ -92,8 +92,7 @@ def make_config(family: str, args):
     import transformers
     config_class = getattr(transformers, FAMILIES[family])
     # Full attention everywhere: Mistral's default sliding window would make the decode step
-    # read a different span than prefill at long contexts. Mixtral: 8x7B's routing, each
-    # expert --mlp wide (its MoE block all_reduces [tokens, H], then reshapes: one site).
+    # read a different span than prefill at long contexts. Mixtral: 8x7B's routing.
     extra = {"sliding_window": None} if family in ("mistral", "mixtral") else {}
     if family == "mixtral":
         extra.update(num_local_experts=8, num_experts_per_tok=2)
