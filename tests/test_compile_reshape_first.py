@@ -4,10 +4,12 @@ test_hf_families.py check the numerics on two ranks; here, which graphs move and
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from infini_dist.compile.reshape_first import reshape_first
 from fx_graphs import FUSED, ar, c10d, export, fuse, llama_norm, ops_of, rand
+from multirank import run_ranks
 
 VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
          torch.ops.aten._unsafe_view.default}
@@ -80,26 +82,63 @@ def test_an_op_that_is_not_pointwise_on_the_way_stays():
     _unmoved(lambda x: torch.cumsum(ar(x), 0).view(2, 2, 16), rand(4, 16))
 
 
-def test_the_moved_graph_computes_what_the_graph_did():
-    # The all_reduce over one rank is the identity: a one-rank gloo group runs the graph.
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group, over which an all_reduce is the identity: graphs run in-process."""
     import torch.distributed as dist
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        name = dist.group.WORLD.group_name
-
-        def f(x, shared, residual, w):
-            h = (c10d.wait_tensor(c10d.all_reduce(x, "sum", name)) + shared).view(2, 2, 16)
-            out = h + residual
-            return llama_norm(out, w), out
-        args = _moe_args()
-        gm = export(f, *args)
-        assert reshape_first(gm.graph) == 1
-        gm.recompile()
-        for got, want in zip(gm(*args), f(*args)):
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        yield dist.group.WORLD.group_name
     finally:
         dist.destroy_process_group()
+
+
+def test_the_moved_graph_computes_what_the_graph_did(one_rank):
+    def f(x, shared, residual, w):
+        h = (c10d.wait_tensor(c10d.all_reduce(x, "sum", one_rank)) + shared).view(2, 2, 16)
+        out = h + residual
+        return llama_norm(out, w), out
+    args = _moe_args()
+    gm = export(f, *args)
+    assert reshape_first(gm.graph) == 1
+    gm.recompile()
+    for got, want in zip(gm(*args), f(*args)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _moe_block(x, shared, residual, w, reduce):
+    b, s, h = residual.shape
+    out = (reduce(x) + shared).view(b, s, h) + residual
+    return torch.nn.functional.rms_norm(out, (h,), w, 1e-6), out
+
+
+def dynamic_rank(rank, world_size):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import infini_dist.compile as idc
+    group = dist.group.WORLD.group_name
+
+    def block(x, shared, residual, w):
+        return _moe_block(x, shared, residual, w,
+                          lambda p: funcol.wait_tensor(funcol.all_reduce(p, "sum", group)))
+    errors = []
+    with idc.recording() as graphs:
+        compiled = torch.compile(block, options=idc.inductor_options(), dynamic=True)
+        for tokens in (4, 6):  # every rank the same inputs: the sum is world_size times each
+            args = (rand(2 * tokens, 16), rand(2 * tokens, 16, seed=1),
+                    rand(2, tokens, 16, seed=2), rand(16, seed=3))
+            want = _moe_block(*args, lambda p: p * world_size)
+            errors += [float((g - w).abs().max()) for g, w in zip(compiled(*args), want)]
+    return {"errors": errors, "sites": [g.site_ops() for g in graphs]}
+
+
+def test_a_dynamic_token_count_moves_too():
+    # A server's compile: the token count symbolic, the view's sizes read from the residual.
+    for r in run_ranks(dynamic_rank, 2, timeout=300):
+        assert r["sites"] == [[["all_reduce", "add", "add_rms_norm"]]]
+        assert max(r["errors"]) < 1e-5
 
 
 def test_a_strided_operand_stays():
