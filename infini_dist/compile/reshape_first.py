@@ -96,16 +96,17 @@ def reshape_first(graph: fx.Graph) -> int:
                  if isinstance(n, fx.Node)]
         if any(position[n] > position[node] for n in sizes):
             continue  # a size computed after the all_reduce: the reshape cannot go before it
+        shaped = value_of(view).shape
         node.args = (_reshaped(graph, node, node.args[0], view), *node.args[1:])
-        previous = None
-        for step in [*sorted(anchor.nodes, key=position.get), *ops]:
-            if previous is not None and step in ops:
-                step.args = tuple(_reshaped(graph, step, a, view)
-                                  if isinstance(a, fx.Node) and a is not previous else a
-                                  for a in step.args)
-                step.kwargs = {k: _reshaped(graph, step, a, view) if isinstance(a, fx.Node)
-                               and a is not previous else a for k, a in step.kwargs.items()}
-            _set_value(step, value_of(step).reshape(value_of(view).shape))
+        for step in anchor.nodes:  # the collective and its waits
+            _set_value(step, value_of(step).reshape(shaped))
+        previous = anchor.outputs[0]
+        for step in ops:  # each reads `previous` and tensors of its old shape, reshaped here
+            step.args, step.kwargs = fx.node.map_arg(
+                (step.args, step.kwargs),
+                lambda a, step=step, previous=previous:
+                    a if a is previous else _reshaped(graph, step, a, view))
+            _set_value(step, value_of(step).reshape(shaped))
             previous = step
         view.replace_all_uses_with(previous)
         graph.erase_node(view)
