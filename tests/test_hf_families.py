@@ -91,24 +91,37 @@ def _deepest_fused(medians):
             for n in medians}
 
 
-def family_rank(rank, world, path):
-    from transformers import AutoModelForCausalLM
-
-    import infini_dist.compile as idc
-    from infini_dist.launch.bench_hf import check_sharded, tp_load_kwargs
+def _rank_setup(world: int) -> torch.Tensor:
+    """This rank set up as every test here runs it; returns the input ids."""
     from infini_dist.scheduler.store import STORE
     STORE.timing_hook = _deepest_fused  # this process only: a fresh rank per test
     _one_compile_thread()
     os.environ["WORLD_SIZE"] = str(world)  # transformers sizes TP from it (torchrun sets it)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 **tp_load_kwargs()).eval()
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _tp_model(path):
+    """This rank's shard of the saved family under transformers' TP, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from infini_dist.launch.bench_hf import check_sharded, tp_load_kwargs
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **tp_load_kwargs())
     check_sharded(model)
-    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def family_rank(rank, world, path):
+    import infini_dist.compile as idc
+    ids = _rank_setup(world)
+    model = _tp_model(path).eval()
     with torch.no_grad(), idc.recording() as graphs:
         eager = model(input_ids=ids).logits
         compiled = idc.compile_model(model)(input_ids=ids).logits
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in (eager, compiled)]
-    return {"eager": local[0], "compiled": local[1],
+    return {"eager": _local(eager), "compiled": _local(compiled),
             "sites": graphs[0].site_ops() if graphs else [],
             "choices": sorted({(d["op"], d["choice"]) for d in idc.decisions()})}
 
@@ -135,26 +148,16 @@ def test_hf_family_fuses_every_all_reduce_with_its_norm(tmp_path, family):
 
 
 def training_rank(rank, world, path):
-    from transformers import AutoModelForCausalLM
-
     import infini_dist.compile as idc
-    from infini_dist.launch.bench_hf import check_sharded, tp_load_kwargs
-    from infini_dist.scheduler.store import STORE
-    STORE.timing_hook = _deepest_fused
-    _one_compile_thread()
-    os.environ["WORLD_SIZE"] = str(world)
-    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = _rank_setup(world)
     grads = []
     with idc.recording() as graphs:
         for compiled in (False, True):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                         **tp_load_kwargs()).train()
-            check_sharded(model)
+            model = _tp_model(path).train()
             logits = (idc.compile_model(model) if compiled else model)(input_ids=ids).logits
-            local = logits.to_local() if hasattr(logits, "to_local") else logits
-            local.pow(2).mean().backward()
-            grads.append({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-                          for n, p in model.named_parameters() if p.grad is not None})
+            _local(logits).pow(2).mean().backward()
+            grads.append({n: _local(p.grad) for n, p in model.named_parameters()
+                          if p.grad is not None})
     return {"eager": grads[0], "compiled": grads[1],
             "sites": {g.kind: ["+".join(s) for s in g.site_ops()] for g in graphs}}
 
