@@ -7,10 +7,10 @@ plain against the infini_dist pass, both against the collective-free step, and e
 
 Per family (llama, qwen2, mistral by default; mixtral: 8 experts, top 2, each --mlp wide): a
 config of --layers layers (hidden 4096, MLP 14336, 32 / 8 heads, vocab 32000 by default) with
-random weights, built and saved with save_pretrained by rank
-0 into a temp dir under --out, then loaded on every rank with `tp_plan="auto"` (transformers'
-DTensor TP: `distributed_config=DistributedConfig(tp_plan="auto")` where transformers has it,
-the `tp_plan=` argument before). Nothing is downloaded.
+random weights, built and saved with save_pretrained by rank 0 into a temp dir under --out,
+then loaded on every rank with `tp_plan="auto"` (transformers' DTensor TP:
+`distributed_config=DistributedConfig(tp_plan="auto")` where transformers has it, the `tp_plan=`
+argument before). Nothing is downloaded.
 
 Shapes: one decode step at each --batches size, over a StaticCache already filled with --context
 positions by an eager prefill (the step writes position --context and reads the rest, so it can
