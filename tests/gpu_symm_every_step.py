@@ -71,11 +71,15 @@ def _rms(y, eps):
     return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _layer_norm(y, w, b, eps):
+    return F.layer_norm(y, y.shape[-1:], w, b, eps)
+
+
 NORM_REFERENCES = {
     "rms_norm": lambda y, w, b, eps: _rms(y, eps) * w,
     "gemma_rms_norm": lambda y, w, b, eps: _rms(y, eps) * (1 + w),
-    "layer_norm": lambda y, w, b, eps: F.layer_norm(y, y.shape[-1:], w, b, eps),
-    "layer_norm_no_bias": lambda y, w, b, eps: F.layer_norm(y, y.shape[-1:], w, None, eps),
+    "layer_norm": _layer_norm,
+    "layer_norm_no_bias": _layer_norm,  # its bias is None
 }
 
 
