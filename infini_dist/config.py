@@ -105,7 +105,7 @@ FLAGS = {
     # The compile pass also takes the matmul (mm, addmm, linear) that produces an all_reduce's
     # input into the site, as its prologue (GEMM + all_reduce overlap). "auto": only in graphs
     # that Inductor captures in CUDA graphs (mode="reduce-overhead" or "max-autotune") on CUDA
-    # tensors, none on the CPU (compile/passes.py). There it wins prefill and holds decode on
+    # tensors, none on the CPU (compile/capture.py). There it wins prefill and holds decode on
     # 2 GPUs; in a graph run launch by launch a site with its GEMM costs more host time (two
     # launches, not made from C++), which made a training step 2-16% slower
     # (docs/benchmarks_history.md, session 34).

@@ -51,6 +51,9 @@ class DecisionStore:
         # (site text, rows) of the sites of chains committed to the row split: the pass writes
         # them again as sites, whatever the site alone decided, so that the chain forms again.
         self.split_sites: set = set()
+        # A compiled site with run-time attributes (scheduler/run_time_attrs.py): its text ->
+        # {the values it ran with: the site text with those values}
+        self.bound: dict[str, dict[tuple, str]] = {}
         # Tuned records by cache key, in memory (disk: cache.py), with hit and miss counts.
         self.records = DecisionCache()
         # Test hook: transforms this rank's medians before they are shared (timing noise,

@@ -9,7 +9,9 @@ residual, Phi3 is Llama-like with fused qkv / gate_up projections, Cohere is par
 with a LayerNorm of its own spelling and no bias. The MoE families (Mixtral,
 Qwen2-MoE, DeepSeek-V3) all_reduce their experts' [tokens, H] sum and reshape it to [b, s, H]
 before the residual add (compile/reshape_first.py); Qwen2-MoE adds its replicated shared expert
-first, DeepSeek-V3 its sharded one (a second all_reduce, summed with the first).
+first, DeepSeek-V3 its sharded one (a second all_reduce, summed with the first). Llama 4
+all_reduces every expert's output for every token and sums them over the experts after; the sum
+moves first (compile/block_sum_first.py).
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ FAMILIES = {
                                          "q_lora_rank": 32, "qk_rope_head_dim": 8,
                                          "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
                                          "topk_group": 1}, 2, 0),
+    # every token through every expert: the experts' [E * T, H] AR summed over E, then as
+    # DeepSeek-V3 with the shared expert's AR (compile/block_sum_first.py)
+    "llama4": ("Llama4TextConfig", {"num_local_experts": 4, "num_experts_per_tok": 1,
+                                    "intermediate_size_mlp": 128, "head_dim": 16,
+                                    "interleave_moe_layer_step": 1}, 3, 0),
 }
 
 
@@ -114,13 +121,13 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def family_rank(rank, world, path):
+def family_rank(rank, world, path, dynamic=None):
     import infini_dist.compile as idc
     ids = _rank_setup(world)
     model = _tp_model(path).eval()
     with torch.no_grad(), idc.recording() as graphs:
         eager = model(input_ids=ids).logits
-        compiled = idc.compile_model(model)(input_ids=ids).logits
+        compiled = idc.compile_model(model, dynamic=dynamic)(input_ids=ids).logits
     return {"eager": _local(eager), "compiled": _local(compiled),
             "sites": graphs[0].site_ops() if graphs else [],
             "choices": sorted({(d["op"], d["choice"]) for d in idc.decisions()})}
@@ -145,6 +152,22 @@ def test_hf_family_fuses_every_all_reduce_with_its_norm(tmp_path, family):
         assert float((r["compiled"] - r["eager"]).abs().max()) <= 1e-4 * (1 + scale)
     assert torch.equal(results[0]["compiled"], results[1]["compiled"])
     assert results[0]["sites"] == results[1]["sites"]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_hf_family_compiled_with_dynamic_shapes_fuses_its_norms(tmp_path, family):
+    """dynamic=True, as a server compiles for every batch size: Dynamo makes the norms' float
+    eps attributes graph inputs, which the sites read at run time
+    (scheduler/run_time_attrs.py). Without that, each site stops before its norm."""
+    pytest.importorskip("transformers")
+    path = save_family(family, tmp_path / family)
+    results = run_ranks(family_rank, 2, path, True, env=_env(), timeout=400)
+    with_norm, norm_free = expected_sites(family)
+    for r in results:
+        assert len([s for s in r["sites"] if NORMS & set(s)]) == with_norm, r["sites"]
+        scale = float(r["eager"].abs().max())
+        assert float((r["compiled"] - r["eager"]).abs().max()) <= 1e-4 * (1 + scale)
+    assert torch.equal(results[0]["compiled"], results[1]["compiled"])
 
 
 def training_rank(rank, world, path):

@@ -69,7 +69,7 @@ def find_site(g: matching.GraphIndex, anchor: FxOp, settings: Settings) -> match
     # The engine takes a matmul as a chain's head only before the anchors its registry names
     # (op_registry.MATMUL_ANCHORS, read by scheduler/boundary.py's prologue walk): offer it there alone.
     matmul = settings.matmul_prologue and anchor.op_type in op_registry.MATMUL_ANCHORS
-    site = matching.with_prologues(anchors, settings, matmul_producer if matmul else None)
+    site = matching.with_prologues(g, anchors, settings, matmul_producer if matmul else None)
     matching.grow_epilogue(g, site, settings)
     site = matching.trim(g, site)
     if "overlap" in settings.custom_op_fusion_types and len(site.anchors) == 1:

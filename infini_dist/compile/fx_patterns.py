@@ -7,7 +7,7 @@ hand: each IR op's spellings are written once in plain torch, in its spec (kerne
 `FORMS` lists them), and traced through Inductor's own decomposition table, the route
 Inductor's pattern matcher takes for its own patterns. The traced graph is the pattern. Scalars
 that become IR attributes (eps, scale) are traced with a sentinel value and captured from the
-matched node.
+matched node: a constant, or a 0-dim CPU tensor the graph reads there (`RunTimeScalar`).
 
 Matching is rooted at a graph node (the pattern's output) and walks arguments backwards, trying
 both operand orders of add and mul.
@@ -144,6 +144,24 @@ def templates(dtype: torch.dtype, ndim: int, device_type: str) -> tuple[Template
     return tuple(sorted(traced, key=lambda t: -t.size))
 
 
+@dataclass(frozen=True)
+class RunTimeScalar:
+    """An attribute slot that the graph fills with a value rather than a constant: a 0-dim
+    floating-point CPU tensor. Under `torch.compile(dynamic=True)` Dynamo turns a Python float
+    it reads (HF's `self.variance_epsilon`, a module's `self.scale`) into such a graph input,
+    and the norm's `+ eps` becomes `+ convert_element_type(arg, float32)`. The site reads the
+    value each time it runs (compile/runtime_op.py); reading a CPU tensor needs no device
+    sync."""
+    node: fx.Node
+
+
+def is_run_time_scalar(value: Any) -> bool:
+    """Whether `value` is a graph value that an attribute slot may read at run time."""
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return (isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype.is_floating_point
+            and val.device.type == "cpu")
+
+
 # ---- matching ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -159,6 +177,10 @@ class Match:
     @property
     def form(self) -> Form:
         return self.template.form
+
+    @property
+    def reads_run_time_scalars(self) -> bool:
+        return any(isinstance(v, RunTimeScalar) for v in self.attrs.values())
 
 
 def _same_constant(pattern: Any, value: Any) -> bool:
@@ -188,7 +210,11 @@ def _match_arg(pattern: Any, value: Any, state: dict, captures: dict) -> dict | 
         name = next((n for s, n in captures.items() if math.isclose(pattern, s, rel_tol=1e-6)),
                     None)
         if name is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, fx.Node):
+                if not is_run_time_scalar(value):
+                    return None
+                value = RunTimeScalar(value)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 return None
             if state.get(("attr", name), value) != value:
                 return None
@@ -254,8 +280,11 @@ def match_at(template: Template, root: fx.Node) -> Match | None:
     for name, _ in template.form.captures:
         if ("attr", name) not in state:
             return None
-        captured[name] = float(state[("attr", name)])
+        value = state[("attr", name)]
+        captured[name] = value if isinstance(value, RunTimeScalar) else float(value)
     if template.form.attrs_of is not None:
+        if any(isinstance(v, RunTimeScalar) for v in captured.values()):
+            return None  # attrs_of computes on the captured values: constants only
         captured = template.form.attrs_of(captured)
         if captured is None:
             return None

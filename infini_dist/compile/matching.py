@@ -58,10 +58,19 @@ class FxSite:
 class GraphIndex:
     """Positions and dependence queries over a graph that is not changing."""
 
-    def __init__(self, graph: fx.Graph, custom: frozenset):
+    def __init__(self, graph: fx.Graph, custom: frozenset, run_time_scalars: bool = True):
         self.nodes = list(graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self.custom = custom
+        # whether an op's attribute may be a value the site reads when it runs
+        # (fx_patterns.RunTimeScalar); compile/passes.py says where it may not
+        self.run_time_scalars = run_time_scalars
+
+    def match_at(self, template, root: fx.Node):
+        match = fx_patterns.match_at(template, root)
+        if match is None or (match.reads_run_time_scalars and not self.run_time_scalars):
+            return None
+        return match
 
     def depends_on(self, value, region: frozenset) -> bool:
         """Whether `value` is computed from any node of `region`."""
@@ -102,6 +111,9 @@ def _ir_op(match: fx_patterns.Match, first: fx.Node | None) -> FxOp | None:
         return None  # a norm's weight may have its own dtype
     if not all(_per_tensor(value_of(inputs[0]), value_of(inputs[i])) for i in form.scalars):
         return None
+    if value_of(inputs[0]).device.type != "cpu" and any(
+            fx_patterns.is_run_time_scalar(n) for n in inputs[1:]):
+        return None  # a kernel on the GPU cannot read it; as an attribute it can (`scale`'s)
     if any(match.further[i - 1] is not None and value_of(match.further[i - 1]).dtype
            != torch.float32 for i in form.per_row_outputs):
         return None  # per-token scales computed in half precision: not the IR op's fp32 ones
@@ -117,16 +129,23 @@ def _per_tensor(x, scalar) -> bool:
             and torch.result_type(x, scalar) == x.dtype)
 
 
+def _preferred(match, other) -> bool:
+    """Whether `other` is the better match: it covers more (gelu, not the x * 0.5 inside it),
+    or the same without reading an attribute at run time (quant_fp8's scale as the tensor it
+    is, not an attribute that each value would tune anew)."""
+    return match.nodes < other.nodes or (match.nodes == other.nodes and (
+        match.reads_run_time_scalars and not other.reads_run_time_scalars))
+
+
 def _best(found: list) -> tuple | None:
-    """The earliest (match, op) whose match no other one strictly contains (gelu, not the
-    x * 0.5 inside it)."""
+    """The earliest (match, op) than which no other is `_preferred`."""
     for match, op in found:
-        if not any(match.nodes < other.nodes for other, _ in found):
+        if not any(_preferred(match, other) for other, _ in found):
             return match, op
     return None
 
 
-def _prologue(anchor: FxOp, region: frozenset, depth: int, head) -> list:
+def _prologue(g: GraphIndex, anchor: FxOp, region: frozenset, depth: int, head) -> list:
     """The anchor's prologue chain, producer first; `head(value, consumers)`, if given: the op
     that may start the chain where no elementwise op matches (all_reduce_match: the matmul)."""
     position = op_registry.PROLOGUE_POSITION[anchor.op_type]
@@ -141,13 +160,14 @@ def _prologue(anchor: FxOp, region: frozenset, depth: int, head) -> list:
         for template in fx_patterns.templates(*_key(value)):
             if not op_registry.may_fuse(template.form.op_type, position):
                 continue
-            match = fx_patterns.match_at(template, value)
+            match = g.match_at(template, value)
             # A prologue's values are private to the site: no interior value read elsewhere
             # (a training graph's saved rsqrt), no second output.
             if (match is not None and not match.nodes & region and match.exposed is None
                     and not any(n is not None for n in match.further)):
                 found.append(match)
-        match = max(found, key=lambda m: len(m.nodes), default=None)
+        match = max(found, key=lambda m: (len(m.nodes), not m.reads_run_time_scalars),
+                    default=None)
         if match is None:
             op = head(value, consumer_nodes) if head is not None else None
             if op is not None and not op.nodes & region:
@@ -217,7 +237,7 @@ def _epilogue(g: GraphIndex, site: FxSite, depth: int) -> None:
         found = []
         for node in sorted(_candidates(live, region, reach), key=g.order.get):
             for template in (t for key in keys for t in fx_patterns.templates(*key)):
-                match = fx_patterns.match_at(template, node)
+                match = g.match_at(template, node)
                 op = _epilogue_op(g, match, live, region) if match is not None else None
                 if op is not None:
                     found.append((match, op))
@@ -275,7 +295,7 @@ def _fits(g: GraphIndex, site: FxSite) -> bool:
                    for n in g.nodes[first + 1:last])
 
 
-def with_prologues(anchors: list, settings: Settings, head=None) -> FxSite:
+def with_prologues(g: GraphIndex, anchors: list, settings: Settings, head=None) -> FxSite:
     """A site of `anchors` (one, or an all_reduce's coalesced group), each with its prologue
     chain where its kind has a prologue position and the flags allow one; `head` as `_prologue`
     takes it."""
@@ -284,7 +304,7 @@ def with_prologues(anchors: list, settings: Settings, head=None) -> FxSite:
     prologue_of = []
     with_prologue = anchors[0].op_type in op_registry.PROLOGUE_POSITION and "prologue" in types
     for a in anchors:
-        chain = _prologue(a, region, settings.max_fusion_depth, head) if with_prologue else []
+        chain = _prologue(g, a, region, settings.max_fusion_depth, head) if with_prologue else []
         prologue_of.append(chain)
         region = region | frozenset(n for op in chain for n in op.nodes)
     return FxSite(anchors, prologue_of)
@@ -325,6 +345,6 @@ RUNS_ALONE = True
 def find_site(g: GraphIndex, anchor: FxOp, settings: Settings) -> FxSite:
     """The site around a registered user op: its epilogue (the registry gives user ops no
     prologue position), nothing of a collective's own."""
-    site = with_prologues([anchor], settings)
+    site = with_prologues(g, [anchor], settings)
     grow_epilogue(g, site, settings)
     return trim(g, site)

@@ -24,24 +24,26 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import operator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch._inductor.config
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import infini_dist
 import infini_dist.kernels.epilogue
-from infini_dist.compile import all_reduce_match, anchors, chain_match, decided, matching
+from infini_dist.compile import all_reduce_match, anchors, capture, chain_match, decided
+from infini_dist.compile import fx_patterns, matching
 from infini_dist.compile import scatter_gather_match
+from infini_dist.compile.block_sum_first import block_sum_first
 from infini_dist.compile.reshape_first import reshape_first
 from infini_dist.compile import runtime_op  # noqa: F401  (registers infini_dist::fused_site)
 from infini_dist.scheduler.choices import FusedSpan, RunContext, TensorMeta, algorithms_for
 from infini_dist.scheduler.ir import OpNode, SubGraph, subgraph_from_text
-from infini_dist.scheduler.settings import AUTO, Settings
+from infini_dist.scheduler.settings import Settings
 from infini_dist.scheduler.store import STORE
 
 log = logging.getLogger("infini_dist")
@@ -74,11 +76,15 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
-def to_subgraph(site: matching.FxSite) -> tuple[SubGraph, list, list]:
-    """The site as a SubGraph with canonical names, its graph inputs and its read outputs."""
+def to_subgraph(site: matching.FxSite) -> tuple[SubGraph, list, list, list, list]:
+    """The site as a SubGraph with canonical names, its graph inputs, its read outputs, and its
+    run-time scalars (fx_patterns.RunTimeScalar) with the `slots` their values go in
+    ("node index:attribute"; the SubGraph holds NaN there until they do)."""
     names: dict = {}
     inputs: list = []
     nodes = []
+    scalars: list = []
+    slots: list = []
     count = 0
     for op in site.ops:
         reads = []
@@ -93,20 +99,28 @@ def to_subgraph(site: matching.FxSite) -> tuple[SubGraph, list, list]:
             if out is not None:
                 names[out] = f"v{count}"
             count += 1
-        nodes.append(OpNode(op.op_type, tuple(reads), tuple(writes), op.attrs))
+        attrs = dict(op.attrs)
+        for key, value in op.attrs.items():
+            if isinstance(value, fx_patterns.RunTimeScalar):
+                slots.append(f"{len(nodes)}:{key}")
+                scalars.append(value.node)
+                attrs[key] = math.nan
+        nodes.append(OpNode(op.op_type, tuple(reads), tuple(writes), attrs))
     region = site.nodes
     outputs = [out for op in site.ops for out in op.outputs
                if out is not None and any(u not in region for u in out.users)]
     sub = SubGraph(tuple(nodes), tuple(names[n] for n in inputs), tuple(names[n] for n in outputs))
-    return sub, inputs, outputs
+    return sub, inputs, outputs, scalars, slots
 
 
 def _replace(graph: fx.Graph, site: matching.FxSite, g: matching.GraphIndex, text: str,
-             inputs: list, outputs: list) -> None:
+             inputs: list, outputs: list, scalars: list, slots: list) -> None:
     region = site.nodes
     anchor = next(iter(site.anchors[0].nodes - site.anchors[0].projections))
+    args = (list(inputs), list(scalars), text, list(slots)) if slots else (list(inputs), text)
+    op = torch.ops.infini_dist.fused_site_scalars if slots else torch.ops.infini_dist.fused_site
     with graph.inserting_after(matching.insertion_point(g, site)):
-        call = graph.call_function(torch.ops.infini_dist.fused_site.default, (list(inputs), text))
+        call = graph.call_function(op.default, args)
     call.meta["val"] = _fake_outputs(inputs, text)
     call.meta["stack_trace"] = anchor.meta.get("stack_trace")
     previous = call
@@ -133,19 +147,19 @@ def _fake_outputs(inputs: list, text: str) -> list:
 
 
 def _to_write(site: matching.FxSite, settings: Settings):
-    """(site, text, inputs, outputs) to write: `site`, or its collective alone where the whole
-    site was decided to fuse nothing (compile/decided.py); text None: decided native, leave it
-    to Inductor."""
+    """(site, text, inputs, outputs, scalars, slots) to write: `site`, or its collective alone
+    where the whole site was decided to fuse nothing (compile/decided.py); text None: decided
+    native, leave it to Inductor."""
     forms = [site] if len(site.ops) == 1 else [site, matching.bare_site(site.anchors[0])]
     subs = [to_subgraph(form) for form in forms]
-    index, native = decided.written([(sub.canonical(), inputs) for sub, inputs, _ in subs],
-                                    settings)
-    site, (sub, inputs, outputs) = forms[index], subs[index]
+    index, native = decided.written([(sub.canonical(), sub_inputs)
+                                     for sub, sub_inputs, *_ in subs], settings)
+    site, (sub, inputs, outputs, scalars, slots) = forms[index], subs[index]
     if native:
         log.info("infini_dist: site %s is decided native; left to Inductor",
                  _summary(sub.canonical()))
-        return site, None, inputs, outputs
-    return site, sub.canonical(), inputs, outputs
+        return site, None, inputs, outputs, scalars, slots
+    return site, sub.canonical(), inputs, outputs, scalars, slots
 
 
 def fuse_sites(graph: fx.Graph, settings: Settings) -> list[str]:
@@ -161,9 +175,12 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
                                                 and not settings.backward_sites):
         return GraphRecord(kind, collectives, ())
     custom = anchors.anchor_names()
+    block_sum_first(graph)  # before reshape_first, which then finds a summed block's reshape
     reshape_first(graph)
     # what the sites are matched under: matmul_prologue "auto" made True or False for this graph
-    matching_settings = replace(settings, matmul_prologue=_matmul_prologue(graph, settings))
+    matching_settings = replace(settings,
+                                matmul_prologue=capture.matmul_prologue(graph, settings))
+    run_time_scalars = not capture.scalars_reach_the_gpu()
     replaced: list[str] = []
     native = 0
     skipped: set = set()
@@ -182,9 +199,9 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
         if _no_algorithm_of_ours(found):
             skipped.add(node)  # it could only run native: Inductor's own code, no dispatch
             continue
-        index = matching.GraphIndex(graph, custom)
+        index = matching.GraphIndex(graph, custom, run_time_scalars)
         kind_module = _KINDS.get(found.op_type, matching)
-        site, text, inputs, outputs = _to_write(
+        site, text, inputs, outputs, scalars, slots = _to_write(
             kind_module.find_site(index, found, matching_settings), settings)
         if (text is not None and len(site.ops) == 1 and not kind_module.RUNS_ALONE
                 and not (found.op_type in scatter_gather_match.ALONE_WHERE_OURS
@@ -195,7 +212,7 @@ def _rewrite(graph: fx.Graph, settings: Settings) -> GraphRecord:
             skipped.add(node)  # Inductor's own code: no dispatch, no fusion boundary
             native += 1
             continue
-        _replace(graph, site, index, text, inputs, outputs)
+        _replace(graph, site, index, text, inputs, outputs, scalars, slots)
         replaced.append(text)
     chains = chain_match.rewrite_chains(graph) if (matching_settings.matmul_prologue
                                                    and settings.row_split) else []
@@ -233,38 +250,6 @@ def _ours_alone(anchor: anchors.FxOp, text: str, inputs: list, outputs: list) ->
     ctx = RunContext(None, anchor.attrs.get("group_size", 1), 0, device)
     span = FusedSpan(sub, (), (0,), ())
     return any(a.supports(span, meta, ctx) for a in algorithms_for(anchor.op_type, device.type))
-
-
-def _matmul_prologue(graph: fx.Graph, settings: Settings) -> bool:
-    """config.matmul_prologue for this graph. "auto": where Inductor captures it in CUDA graphs
-    (this compile's inductor config, which mode="reduce-overhead" sets) and its tensors are on
-    CUDA, since replays hide the host time that a site with its GEMM adds (config.py)."""
-    if settings.matmul_prologue != AUTO:
-        return settings.matmul_prologue
-    if not torch._inductor.config.triton.cudagraphs:
-        return False
-    devices = _devices(graph)
-    # Inductor skips the capture of a graph that reads or makes CPU tensors, unless its graph
-    # partition splits the CPU ops off (cudagraph_utils.check_multiple_devices_or_any_cpu_nodes).
-    return "cuda" in devices and ("cpu" not in devices or bool(
-        getattr(torch._inductor.config, "graph_partition", False)))
-
-
-def _devices(graph: fx.Graph) -> set[str]:
-    """The device types of the tensors a graph reads (placeholders with readers) or makes
-    (non-empty), as Inductor counts them for its CUDA-graph decision."""
-    found = set()
-    for node in graph.nodes:
-        if node.op not in ("placeholder", "call_function") or not node.users:
-            continue
-        value = node.meta.get("val")
-        for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            numel = tensor.numel()  # symbolic under dynamic shapes: asking would guard
-            if node.op == "placeholder" or not (isinstance(numel, int) and numel == 0):
-                found.add(tensor.device.type)
-    return found - {"meta"}
 
 
 def _describe(graph: fx.Graph) -> tuple[str, tuple[str, ...]]:

@@ -8,6 +8,8 @@ no registry has to be filled before a cached graph can run. At run time the engi
 across its group on the first call per input signature and runs the committed choice after that;
 under CUDA-graph capture without a decision it runs natively in eager torch (SiteRunner._decide).
 The site's `native` choice is Inductor's own code for it (scheduler/native_inductor.py).
+`fused_site_scalars` is the same op for a site with attributes the graph reads at run time (a
+norm's eps under dynamic=True: scheduler/run_time_attrs.py).
 First calls work on a thread of their own (scheduler/setup_thread.py), so CUDA-graph trees can
 warm up and record compiled graphs with these ops from the first call.
 """
@@ -18,6 +20,7 @@ import torch
 
 import infini_dist
 from infini_dist.compile.cudagraph_tree_state import settle_failed_warmup
+from infini_dist.scheduler import run_time_attrs
 from infini_dist.scheduler.choices import resolve_group
 from infini_dist.scheduler.engine import site_executor
 from infini_dist.scheduler.ir import SubGraph, subgraph_from_text
@@ -69,6 +72,20 @@ def fused_site(inputs: list[torch.Tensor], graph: str) -> list[torch.Tensor]:
     return _unaliased([values[name] for name in executor.graph.output_names], list(inputs))
 
 
+def fused_site_scalars(inputs: list[torch.Tensor], scalars: list[torch.Tensor], graph: str,
+                       slots: list[str]) -> list[torch.Tensor]:
+    """fused_site of `graph` with the scalars' values in its slots (scheduler/run_time_attrs.py):
+    a site whose attribute the graph reads from a 0-dim CPU tensor."""
+    values = tuple(float(s) for s in scalars)  # CPU tensors: no device sync
+    text = run_time_attrs.bind(graph, tuple(slots), values)
+    if text is not None:
+        return fused_site(inputs, text)
+    sub = run_time_attrs.substitute(graph, tuple(slots), values)
+    group = next((resolve_group(n.attr("group_name")) for n in sub.nodes
+                  if n.attr("group_name")), None)
+    return _unaliased(run_time_attrs.run_eagerly(sub, list(inputs), group), list(inputs))
+
+
 def evaluate_shapes(sub: SubGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Outputs with the right shapes and dtypes (contiguous), computed without communication."""
     env = shape_env(sub.nodes, dict(zip(sub.input_names, inputs)))
@@ -83,10 +100,18 @@ def evaluate_shapes(sub: SubGraph, inputs: list[torch.Tensor]) -> list[torch.Ten
 _LIBRARY = torch.library.Library("infini_dist", "FRAGMENT")
 _LIBRARY.define("fused_site(Tensor[] inputs, str graph) -> Tensor[]")
 _LIBRARY.impl("fused_site", fused_site, "CompositeExplicitAutograd")
+_LIBRARY.define("fused_site_scalars(Tensor[] inputs, Tensor[] scalars, str graph, str[] slots) "
+                "-> Tensor[]")
+_LIBRARY.impl("fused_site_scalars", fused_site_scalars, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake(OP_NAME, lib=_LIBRARY)
 def _(inputs, graph):
+    return evaluate_shapes(subgraph_from_text(graph), list(inputs))
+
+
+@torch.library.register_fake("infini_dist::fused_site_scalars", lib=_LIBRARY)
+def _(inputs, scalars, graph, slots):
     return evaluate_shapes(subgraph_from_text(graph), list(inputs))
 
 

@@ -60,7 +60,7 @@ def find_site(g: matching.GraphIndex, anchor: FxOp, settings: Settings) -> match
     """The site around a reduce_scatter or an all_gather."""
     if anchor.op_type == "all_gather" and speed_device(anchor) is not None:
         return matching.bare_site(anchor)
-    site = matching.with_prologues([anchor], settings)
+    site = matching.with_prologues(g, [anchor], settings)
     if anchor.op_type == "reduce_scatter":
         matching.grow_epilogue(g, site, settings)
         _gather_tail(site)
