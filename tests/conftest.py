@@ -94,3 +94,14 @@ def pool(tmp_path_factory):
         pytest.skip(interpreter_unusable())
     with interpreter_pool(str(tmp_path_factory.mktemp("ninetoothed_home"))) as p:
         yield p
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group, over which an all_reduce is the identity: graphs run in-process."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()

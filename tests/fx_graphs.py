@@ -42,6 +42,15 @@ def export(fn, *args):
     return gm
 
 
+def assert_unchanged(rewrite, fn, *args):
+    """A graph rewrite (compile/reshape_first.py, compile/block_sum_first.py) that finds nothing
+    to rewrite in fn's graph, and leaves it as it was."""
+    gm = export(fn, *args)
+    before = [n.target for n in gm.graph.nodes]
+    assert rewrite(gm.graph) == 0
+    assert [n.target for n in gm.graph.nodes] == before
+
+
 def fuse(gm, **flags):
     with infini_dist.config.patch(**flags):
         texts = idc.fuse_sites(gm.graph, infini_dist.config.snapshot())

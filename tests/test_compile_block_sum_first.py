@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from infini_dist.compile.block_sum_first import block_sum_first
-from fx_graphs import ar, c10d, export, fuse, ops_of, rand
+from fx_graphs import ar, assert_unchanged, c10d, export, fuse, ops_of, rand
 from multirank import run_ranks
-from test_compile_reshape_first import one_rank  # noqa: F401  (a fixture)
 
 EXPERTS, TOKENS, HIDDEN = 4, 6, 16
 
@@ -48,31 +47,26 @@ def test_without_a_view_and_over_another_dim_it_moves_too():
     assert _reduced_shapes(gm) == [(EXPERTS, HIDDEN)]
 
 
-def _unmoved(f, *args):
-    gm = export(f, *args)
-    before = [n.target for n in gm.graph.nodes]
-    assert block_sum_first(gm.graph) == 0
-    assert [n.target for n in gm.graph.nodes] == before
-
-
 def test_a_sum_to_another_dtype_stays():
     # the all_reduce would carry fp32 where it carried bf16
-    _unmoved(lambda x: ar(x).view(EXPERTS, -1, HIDDEN).sum(0, dtype=torch.float32),
-             rand(EXPERTS * TOKENS, HIDDEN, dtype=torch.bfloat16))
+    assert_unchanged(block_sum_first,
+                     lambda x: ar(x).view(EXPERTS, -1, HIDDEN).sum(0, dtype=torch.float32),
+                     rand(EXPERTS * TOKENS, HIDDEN, dtype=torch.bfloat16))
 
 
 def test_a_result_read_beside_the_sum_stays():
     def f(x):
         reduced = ar(x)
         return reduced.view(EXPERTS, -1, HIDDEN).sum(0), reduced
-    _unmoved(f, rand(EXPERTS * TOKENS, HIDDEN))
+    assert_unchanged(block_sum_first, f, rand(EXPERTS * TOKENS, HIDDEN))
 
 
 def test_a_mean_stays():
-    _unmoved(lambda x: ar(x).view(EXPERTS, -1, HIDDEN).mean(0), rand(EXPERTS * TOKENS, HIDDEN))
+    assert_unchanged(block_sum_first, lambda x: ar(x).view(EXPERTS, -1, HIDDEN).mean(0),
+                     rand(EXPERTS * TOKENS, HIDDEN))
 
 
-def test_the_moved_graph_computes_what_the_graph_did(one_rank):  # noqa: F811
+def test_the_moved_graph_computes_what_the_graph_did(one_rank):
     def f(*args):
         return _llama4_moe(*args, reduce=lambda p: c10d.wait_tensor(
             c10d.all_reduce(p, "sum", one_rank)))

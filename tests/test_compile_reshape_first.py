@@ -4,11 +4,10 @@ test_hf_families.py check the numerics on two ranks; here, which graphs move and
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from infini_dist.compile.reshape_first import reshape_first
-from fx_graphs import FUSED, ar, c10d, export, fuse, ops_of, rand
+from fx_graphs import FUSED, ar, assert_unchanged, c10d, export, fuse, ops_of, rand
 from multirank import run_ranks
 
 def _moe(x, shared, residual, w, reduce=ar):
@@ -51,42 +50,25 @@ def test_the_moe_block_becomes_one_site_with_its_residual_norm():
     assert [tuple(a.meta["val"].shape) for a in site.args[0]][:2] == [(2, 2, 16)] * 2
 
 
-def _unmoved(f, *args):
-    gm = export(f, *args)
-    before = [n.target for n in gm.graph.nodes]
-    assert reshape_first(gm.graph) == 0
-    assert [n.target for n in gm.graph.nodes] == before
-
-
 def test_a_reshape_that_changes_the_row_length_stays():
-    _unmoved(lambda x: ar(x).view(4, 4, 4) * 2.0, rand(4, 16))
+    assert_unchanged(reshape_first, lambda x: ar(x).view(4, 4, 4) * 2.0, rand(4, 16))
 
 
 def test_an_all_reduce_read_beside_the_reshape_stays():
     def f(x):
         h = ar(x)
         return h.view(2, 2, 16) * 2.0, h
-    _unmoved(f, rand(4, 16))
+    assert_unchanged(reshape_first, f, rand(4, 16))
 
 
 def test_a_broadcast_operand_on_the_way_stays():
     # a per-token gate [tokens, 1] would need its own reshape rule: not moved
-    _unmoved(lambda x, g: (ar(x) * g).view(2, 2, 16), rand(4, 16), rand(4, 1, seed=1))
+    assert_unchanged(reshape_first, lambda x, g: (ar(x) * g).view(2, 2, 16), rand(4, 16),
+                     rand(4, 1, seed=1))
 
 
 def test_an_op_that_is_not_pointwise_on_the_way_stays():
-    _unmoved(lambda x: torch.cumsum(ar(x), 0).view(2, 2, 16), rand(4, 16))
-
-
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo group, over which an all_reduce is the identity: graphs run in-process."""
-    import torch.distributed as dist
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
+    assert_unchanged(reshape_first, lambda x: torch.cumsum(ar(x), 0).view(2, 2, 16), rand(4, 16))
 
 
 def test_the_moved_graph_computes_what_the_graph_did(one_rank):
@@ -132,5 +114,6 @@ def test_a_dynamic_token_count_moves_too():
 
 def test_a_strided_operand_stays():
     # reshaped, a transposed input would be copied: one more pass over memory than the view
-    _unmoved(lambda x: ar(x.t()).view(2, 2, 16), rand(16, 4))
-    _unmoved(lambda x, s: (ar(x) + s.t()).view(2, 2, 16), rand(4, 16), rand(16, 4, seed=1))
+    assert_unchanged(reshape_first, lambda x: ar(x.t()).view(2, 2, 16), rand(16, 4))
+    assert_unchanged(reshape_first, lambda x, s: (ar(x) + s.t()).view(2, 2, 16), rand(4, 16),
+                     rand(16, 4, seed=1))

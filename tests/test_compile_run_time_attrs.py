@@ -39,7 +39,8 @@ def _inputs(rank: int, tokens: int):
     gen = torch.Generator().manual_seed(100 * tokens + rank)
     # small rows, so that the eps shows in the norm
     x = 1e-2 * torch.randn(2, tokens, HIDDEN, generator=gen)
-    residual = 1e-2 * torch.randn(2, tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    shared = torch.Generator().manual_seed(tokens)  # the residual is every rank's
+    residual = 1e-2 * torch.randn(2, tokens, HIDDEN, generator=shared)
     return x.to(torch.bfloat16), residual.to(torch.bfloat16)
 
 
