@@ -23,12 +23,13 @@ def test_tune_then_list_show_and_clear(tmp_path, capsys, isolated_cache):
                         env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     # 3 and 5, 8 fall in two buckets (4 and 8): each site is tuned once per bucket, on rank 0's
-    # bar, and the two equal sites of the layer share their decisions.
-    assert "infini-dist tune: 3 token counts, 2 site(s) tuned" in done.stdout
-    assert done.stderr.count("infini_dist: tuned all_reduce+add tokens<=") == 2
+    # bar. The norms' eps is a graph input under dynamic=True, read at run time; the layer's
+    # two sites differ (the last one's residual is read by nothing).
+    assert "infini-dist tune: 3 token counts, 4 site(s) tuned" in done.stdout
+    assert done.stderr.count("infini_dist: tuned all_reduce+add_rms_norm tokens<=") == 4
     assert "infini_dist warm-up: 100%" in done.stderr  # rank 0's bar (test_serving: only)
     keys = sorted(p.stem for p in cache.glob("*.json"))
-    assert len(keys) == 2
+    assert len(keys) == 4
 
     # A corrupt file and one from other versions are listed too, marked.
     (cache / "ffff0000corrupt.json").write_text("{not json")
@@ -44,20 +45,20 @@ def test_tune_then_list_show_and_clear(tmp_path, capsys, isolated_cache):
         record = json.loads((cache / f"{key}.json").read_text())
         assert record["bucket"] in (4, 8) and record["world_size"] == 2
         fields = lines[key[:12]].split()
-        assert fields[1:5] == ["all_reduce+add", str(record["bucket"]), "float32/float32",
-                               record["choice"]]
+        assert fields[1:5] == ["all_reduce+add_rms_norm", str(record["bucket"]),
+                               "float32/float32/float32", record["choice"]]
         assert "(stale)" not in lines[key[:12]]
     assert "(unreadable)" in lines["ffff0000corr"] and "(stale)" in lines["eeee0000stal"]
-    assert "4 decision(s)" in listing
+    assert "6 decision(s)" in listing
 
     assert cli.main(["cache", "show", keys[1][:8]]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads((cache / f"{keys[1]}.json")
                                                              .read_text())
     assert cache_cli.main(["show", "0123abc"]) == 2  # matches nothing
     assert cache_cli.main(["clear", keys[0][:10], "nosuchkey"]) == 2  # nothing removed
-    assert len(list(cache.glob("*.json"))) == 4
+    assert len(list(cache.glob("*.json"))) == 6
     assert cache_cli.main(["--cache-dir", str(cache), "clear", keys[0][:10]]) == 0
-    assert not (cache / f"{keys[0]}.json").exists() and len(list(cache.glob("*.json"))) == 3
+    assert not (cache / f"{keys[0]}.json").exists() and len(list(cache.glob("*.json"))) == 5
     assert cache_cli.main(["clear"]) == 0
     assert list(cache.glob("*.json")) == []
     capsys.readouterr()
