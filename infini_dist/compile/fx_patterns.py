@@ -155,6 +155,18 @@ class RunTimeScalar:
     node: fx.Node
 
 
+def _run_time_source(value: fx.Node) -> fx.Node:
+    """The value before Dynamo's up-cast to fp32 (or fp64): the Python float itself, as a
+    constant would have been captured, so a site's text is the same under dynamic=True as
+    without it (and so are its decisions). Our kernels compute with an attribute in fp32 as the
+    cast did."""
+    if (value.target is torch.ops.prims.convert_element_type.default
+            and value.args[1] in (torch.float32, torch.float64)
+            and is_run_time_scalar(value.args[0])):
+        return value.args[0]
+    return value
+
+
 def is_run_time_scalar(value: Any) -> bool:
     """Whether `value` is a graph value that an attribute slot may read at run time."""
     val = value.meta.get("val") if isinstance(value, fx.Node) else None
@@ -213,7 +225,7 @@ def _match_arg(pattern: Any, value: Any, state: dict, captures: dict) -> dict | 
             if isinstance(value, fx.Node):
                 if not is_run_time_scalar(value):
                     return None
-                value = RunTimeScalar(value)
+                value = RunTimeScalar(_run_time_source(value))
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 return None
             if state.get(("attr", name), value) != value:
