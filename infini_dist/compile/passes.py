@@ -10,7 +10,9 @@ For each anchor (compile/anchors.py), in one direction:
      (compile/decided.py): a site decided native is left as it is, one decided bare (our
      collective, nothing else fused) becomes its collective alone.
   3. replace: the site becomes one `fused_site` call reading the site's inputs, named by its
-     SubGraph text, unless its kind has nothing of its own for the anchor alone.
+     SubGraph text, unless its kind has nothing of its own for the anchor alone; a site with
+     attributes the graph holds as 0-dim CPU tensors is a `fused_site_scalars` call, which
+     reads them too (scheduler/run_time_attrs.py).
 
 The engine turns that SubGraph into its choices (fused kernels at each depth, and `native`:
 NCCL + the epilogue as Inductor compiles it) and commits the fastest across the group at run
