@@ -169,3 +169,24 @@ def test_substitute_fills_the_slots_and_checks_their_count():
     assert filled == add_rms_norm_graph(1e-5)
     with pytest.raises(ValueError, match="1 slots, 2 values"):
         run_time_attrs.substitute(graph.canonical(), (f"{index}:eps",), (1e-5, 2.0))
+
+
+def test_a_cpu_scalar_beside_gpu_tensors_is_an_attribute_not_an_operand():
+    """On a CPU graph `x * s` with s a 0-dim tensor is the plain `mul`; on a GPU graph a kernel
+    could not read the CPU tensor, so s is the `scale` attribute, read at run time."""
+    from fx_graphs import ar, export, fuse, ops_of, rand
+    from test_compile_matmul_prologue import _on_cuda
+
+    def f(x, s):
+        return torch.relu(ar(x)) * s
+
+    args = (rand(4, HIDDEN), torch.tensor(0.5))
+    (on_cpu,) = fuse(export(f, *args))
+    assert ops_of(on_cpu) == ["all_reduce", "relu", "mul"]
+    gm = export(f, *args)
+    scalar = [n.name for n in gm.graph.nodes if n.op == "placeholder"][1]
+    (on_gpu,) = fuse(_on_cuda(gm, keep_on_cpu=(scalar,)))
+    assert ops_of(on_gpu) == ["all_reduce", "relu", "scale"]
+    (call,) = [n for n in gm.graph.nodes
+               if n.target is torch.ops.infini_dist.fused_site_scalars.default]
+    assert [s.name for s in call.args[1]] == [scalar]
