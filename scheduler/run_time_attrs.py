@@ -47,6 +47,8 @@ def bind(text: str, slots: tuple[str, ...], values: tuple[float, ...]) -> str | 
         if len(bound) >= MAX_VALUES:
             return None
         concrete = bound[values] = substitute(text, slots, values).canonical()
+        if text in STORE.static_texts:  # its decisions rewrite the graph (compile/decided.py)
+            STORE.note_static(concrete)
         if len(bound) == MAX_VALUES:
             log.warning("infini_dist: a compiled site's run-time attributes took %d values; "
                         "further values run unfused in eager torch", MAX_VALUES)

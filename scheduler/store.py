@@ -81,7 +81,8 @@ class DecisionStore:
         """Drop the C++ table's records: the settings or an op's definition changed."""
         express.clear()
 
-    # ---- the compile pass, the recompiler and reports: read (the pass notes static sites) ---
+    # ---- the compile pass, the recompiler and reports: read (the pass notes static sites,
+    # and run_time_attrs.bind the texts it makes of one) -----------------------------------
     def note_static(self, text: str) -> None:
         """The pass compiled site `text` with every dim a plain int: its decisions change what
         the pass writes (a symbolic token count has no bucket)."""

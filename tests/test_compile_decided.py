@@ -128,3 +128,38 @@ def test_a_decision_rewrites_the_site_where_it_leaves_ops_to_inductor():
     assert bare.rewrites(True) and not bare.rewrites(False)  # a lone collective stays ours
     assert not fused.rewrites(True) and not fused.rewrites(False)
     assert native.native and not bare.native
+
+
+def run_time_attribute_rank(rank, world_size):
+    """A site whose eps the graph reads from a 0-dim CPU tensor (scheduler/run_time_attrs.py),
+    decided native: compiled again, the pass knows it by the one value it ran with."""
+    import torch.distributed as dist
+
+    import infini_dist
+    from infini_dist.scheduler.store import STORE
+    _one_compile_thread()
+    group = dist.group.WORLD.group_name
+
+    def block(x, residual, weight, eps):  # HF's RMSNorm spelling, eps a tensor
+        h = _ar(x, group) + residual
+        f = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * f, h
+
+    own, shared = (torch.Generator().manual_seed(s) for s in (10 + rank, 7))
+    args = (torch.randn(8, 32, generator=own), torch.randn(8, 32, generator=shared),
+            torch.rand(32, generator=shared) + 0.5, torch.tensor(1e-5, dtype=torch.float64))
+    try:
+        with infini_dist.config.patch(benchmark_warmup=0, benchmark_reps=2):
+            STORE.timing_hook = _slow_fused
+            runs = [_compile_and_run(block, args) for _ in range(2)]
+    finally:
+        STORE.timing_hook = None
+    return {"counts": [(sites, native) for _, sites, native, _ in runs],
+            "close": [_close(out, block(*args)) for out, *_ in runs]}
+
+
+def test_a_site_with_a_run_time_attribute_follows_its_decision():
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    for r in run_ranks(run_time_attribute_rank, 2, env=env, timeout=400):
+        assert r["counts"] == [(1, 0), (0, 1)]  # then Inductor's own code, which reads eps
+        assert all(r["close"])

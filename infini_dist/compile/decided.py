@@ -50,6 +50,11 @@ def known_choice(text: str, inputs: list, settings: Settings) -> Decision | None
     if any(v is None for v in values):
         return None
     STORE.note_static(text)  # only its decisions are worth compiling again for
+    bound = STORE.bound.get(text)  # a site with run-time attributes: the one value set it met
+    if bound is not None:
+        if len(bound) != 1:
+            return None
+        (text,) = bound.values()
     executor = STORE.sites.get((text, settings, generation()))
     if executor is None:
         return None
