@@ -7,7 +7,8 @@ site of its own (the SubGraph with the value in its slot), which tunes and commi
 other. Such values are a module's constants in practice (an eps, a scaling factor), so a site
 meets one. One that keeps changing would tune afresh at every call: a site takes at most
 `MAX_VALUES` values, and past them runs in eager torch (the collective, then torch's ops),
-unfused but correct.
+unfused but correct. A graph compiled again after such a site decided finds the decision by the
+one value set it met (compile/decided.py).
 """
 
 from __future__ import annotations
