@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 
-from infini_dist.scheduler import op_registry
+import torch.distributed as dist
+
+from infini_dist.scheduler.choices import RunContext, resolve_group, run_nodes
 from infini_dist.scheduler.ir import OpNode, SubGraph, subgraph_from_text
 from infini_dist.scheduler.store import STORE
 
@@ -56,12 +58,12 @@ def bind(text: str, slots: tuple[str, ...], values: tuple[float, ...]) -> str | 
     return concrete
 
 
-def run_eagerly(graph: SubGraph, inputs: list, group) -> list:
-    """The site's nodes one by one, natively: the collective through torch.distributed, the
-    rest as torch ops."""
+def run_eagerly(graph: SubGraph, inputs: list) -> list:
+    """The site's nodes one by one, natively: the collective through torch.distributed on the
+    group it names, the rest as torch ops."""
+    group = resolve_group(next((n.attr("group_name") for n in graph.nodes
+                                if n.attr("group_name")), None))
+    ctx = RunContext(group, dist.get_world_size(group), dist.get_rank(group), inputs[0].device)
     env = dict(zip(graph.input_names, inputs))
-    for node in graph.nodes:
-        values = op_registry.run_node(node.op_type, [env[n] for n in node.inputs],
-                                      node.attr_dict, group, native=True)
-        env.update(zip(node.outputs, values))
+    run_nodes(graph, range(len(graph.nodes)), env, ctx, native=True)
     return [env[name] for name in graph.output_names]

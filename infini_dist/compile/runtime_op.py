@@ -81,9 +81,7 @@ def fused_site_scalars(inputs: list[torch.Tensor], scalars: list[torch.Tensor], 
     if text is not None:
         return fused_site(inputs, text)
     sub = run_time_attrs.substitute(graph, tuple(slots), values)
-    group = next((resolve_group(n.attr("group_name")) for n in sub.nodes
-                  if n.attr("group_name")), None)
-    return _unaliased(run_time_attrs.run_eagerly(sub, list(inputs), group), list(inputs))
+    return _unaliased(run_time_attrs.run_eagerly(sub, list(inputs)), list(inputs))
 
 
 def evaluate_shapes(sub: SubGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
